@@ -1,0 +1,232 @@
+"""Training corpora, the byte-level BPE tokenizer and token datasets for ``cascade distill``.
+
+The bundled model family is trained on the pure-Python part of the CPython standard library
+that ships with the interpreter (PSF License).  ``stdlib_files()`` selects it reproducibly:
+every ``*.py`` under ``sysconfig.get_paths()["stdlib"]``, excluding installed third-party
+packages (``site-packages``/``dist-packages``), test suites and a few tool directories whose
+contents are mostly test data or generated tables (see ``STDLIB_EXCLUDED_DIRS``).
+
+Heavy imports (torch, tokenizers, transformers) happen inside the functions that need them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+from typing import Iterable, Sequence
+
+EOS_TOKEN = "<|endoftext|>"
+
+#: directory names (any path component) skipped when collecting the stdlib corpus.
+STDLIB_EXCLUDED_DIRS = frozenset(
+    {
+        "site-packages",
+        "dist-packages",
+        "test",
+        "tests",
+        "idle_test",
+        "idlelib",
+        "lib2to3",
+        "__pycache__",
+        "turtledemo",
+        "ensurepip",
+        "config-3.11-x86_64-linux-gnu",
+    }
+)
+
+#: single files excluded from the stdlib corpus: huge generated tables that are not code.
+STDLIB_EXCLUDED_FILES = frozenset({"pydoc_data/topics.py", "encodings/mac_latin2.py"})
+
+#: files larger than this (bytes) are skipped: they are generated data, not source.
+MAX_FILE_BYTES = 400_000
+
+SOURCE_SUFFIXES = (".py", ".pyi", ".txt", ".md", ".rst")
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+
+def stdlib_files(root: str | os.PathLike | None = None) -> list[Path]:
+    """The Python files of the standard library used as the default training corpus, sorted."""
+    base = Path(root).resolve() if root else stdlib_root()
+    out = []
+    for path in sorted(base.rglob("*.py")):
+        rel = path.relative_to(base)
+        if any(part in STDLIB_EXCLUDED_DIRS for part in rel.parts[:-1]):
+            continue
+        if rel.as_posix() in STDLIB_EXCLUDED_FILES or rel.name.startswith("test_"):
+            continue
+        try:
+            if path.stat().st_size > MAX_FILE_BYTES or path.stat().st_size == 0:
+                continue
+        except OSError:
+            continue
+        out.append(path)
+    return out
+
+
+def package_dir(name: str) -> Path:
+    """Directory of an installed package (for corpus specs of the form ``pkg:NAME``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"installed package not found: {name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def collect_files(specs: Sequence[str], suffixes: Iterable[str] = SOURCE_SUFFIXES) -> list[Path]:
+    """Resolve corpus specs: ``stdlib``, ``pkg:NAME`` (an installed package's directory, e.g.
+    ``pkg:attr``), files, or directories (searched recursively for ``suffixes``)."""
+    suffixes = tuple(suffixes)
+    files: list[Path] = []
+    for spec in specs:
+        if spec == "stdlib":
+            files.extend(stdlib_files())
+            continue
+        path = package_dir(spec[4:]) if spec.startswith("pkg:") else Path(spec)
+        if path.is_dir():
+            for f in sorted(path.rglob("*")):
+                if f.is_file() and f.suffix in suffixes and "__pycache__" not in f.parts:
+                    files.append(f)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"corpus path not found: {spec}")
+    seen, unique = set(), []
+    for f in files:
+        key = f.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(f)
+    if not unique:
+        raise ValueError(f"no corpus files found in {list(specs)}")
+    return unique
+
+
+def read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def read_texts(files: Sequence[Path]) -> list[str]:
+    return [t for t in (read_text(f) for f in files) if t]
+
+
+def split_files(files: Sequence[Path], val_fraction: float, seed: int = 0) -> tuple[list[Path], list[Path]]:
+    """Deterministic file-level train/validation split (by hash of the path, not by RNG)."""
+    if val_fraction <= 0:
+        return list(files), []
+    train, val = [], []
+    for f in files:
+        h = int(hashlib.sha256(f"{seed}:{f.as_posix()}".encode()).hexdigest()[:8], 16)
+        (val if h / 0xFFFFFFFF < val_fraction else train).append(f)
+    if not val and train:
+        val.append(train.pop())
+    return train, val
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(texts: Sequence[str], out_dir: str | os.PathLike, vocab_size: int = 4096,
+                    model_max_length: int = 1024):
+    """Train a byte-level BPE tokenizer on ``texts`` and save it (HF format) in ``out_dir``.
+
+    Byte-level pre-tokenisation makes every string representable and decoding exact (tabs,
+    trailing spaces, ``\\r\\n``, any unicode).  ``<|endoftext|>`` is the only special token and
+    serves as EOS (also set as BOS/PAD/UNK so generic code finds one).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        unk_token=EOS_TOKEN,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(out)
+    return hf
+
+
+def load_tokenizer(path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def encode_corpus(texts: Sequence[str], tokenizer, cache: str | os.PathLike | None = None):
+    """Concatenate the documents, each followed by EOS, into one int32 tensor of token ids."""
+    import torch
+
+    if cache is not None and Path(cache).exists():
+        return torch.load(cache)
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    batch = 256
+    for i in range(0, len(texts), batch):
+        enc = tokenizer(list(texts[i : i + batch]), add_special_tokens=False)["input_ids"]
+        for doc in enc:
+            ids.extend(doc)
+            ids.append(eos)
+    data = torch.tensor(ids, dtype=torch.int32)
+    if cache is not None:
+        Path(cache).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, cache)
+    return data
+
+
+class WindowSampler:
+    """Random fixed-length windows from a flat token tensor, reproducible from (seed, step).
+
+    Each step's batch is a pure function of the seed and the step index, so a resumed run sees
+    exactly the batches an uninterrupted run would have seen.
+    """
+
+    def __init__(self, data, seq_len: int, batch_size: int, seed: int = 0):
+        if data.numel() <= seq_len + 1:
+            raise ValueError(f"corpus too small ({data.numel()} tokens) for seq_len {seq_len}")
+        self.data, self.seq_len, self.batch_size, self.seed = data, seq_len, batch_size, seed
+
+    def batch(self, step: int):
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, self.data.numel() - self.seq_len - 1, (self.batch_size,), generator=g)
+        rows = [self.data[s : s + self.seq_len + 1] for s in starts.tolist()]
+        return torch.stack(rows).long()
+
+
+def fixed_windows(data, seq_len: int, max_windows: int | None = None):
+    """Non-overlapping consecutive windows (for evaluation), as a LongTensor [n, seq_len+1]."""
+    import torch
+
+    n = (data.numel() - 1) // seq_len
+    if max_windows is not None:
+        n = min(n, max_windows)
+    rows = [data[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)]
+    return torch.stack(rows).long() if rows else torch.empty(0, seq_len + 1, dtype=torch.long)
