@@ -1,0 +1,302 @@
+"""The public API: ``Cascade.from_topology(path).generate(...)``."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from pydantic import ValidationError
+
+from cascade.engine import Engine, Request, RequestState
+from cascade.errors import RequestError, TopologyError
+from cascade.sampling import Sampling
+from cascade.stats import RequestStats
+from cascade.topology import Topology, has_tokenizer, load_topology
+from policies import Policy, PolicyError, make_policy
+from workers.base import Worker
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class Generation:
+    """One prompt's result. ``token_ids`` exclude the prompt; ``text`` is their decoding."""
+
+    prompt: Prompt
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: RequestStats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt if isinstance(self.prompt, str) else list(self.prompt),
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
+
+
+def build_workers(topo: Topology, device: str | None = None) -> dict[str, Worker]:
+    """Instantiate every level's worker in this process."""
+    from workers.hf import HFWorker
+    from workers.ngram import NGramWorker
+
+    workers: dict[str, Worker] = {}
+    deferred = []
+    for i, level in enumerate(topo.spec.levels):
+        if level.kind == "hf":
+            try:
+                workers[level.name] = HFWorker(
+                    topo.model_path(level), level.dtype, device or level.device, level.trust_remote_code
+                )
+            except OSError as exc:
+                raise TopologyError(f"{topo.source}: levels[{i}].model: cannot load: {exc}") from None
+        elif level.kind == "ngram":
+            deferred.append(level)
+        else:
+            workers[level.name] = _custom_worker(topo, i, level.kind, level.params)
+    vocab = workers[topo.authority].vocab_size
+    for level in deferred:
+        workers[level.name] = NGramWorker(vocab, **level.params)
+    for i, level in enumerate(topo.spec.levels):
+        if workers[level.name].vocab_size != vocab:
+            raise TopologyError(
+                f"{topo.source}: levels[{i}]: vocabulary of {workers[level.name].vocab_size} rows "
+                f"differs from the authority's {vocab}"
+            )
+    return workers
+
+
+def _custom_worker(topo: Topology, i: int, kind: str, params: dict[str, Any]) -> Worker:
+    import importlib
+
+    module_name, _, attr = kind.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise TopologyError(f"{topo.source}: levels[{i}].kind: cannot import {kind!r}: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Worker)):
+        raise TopologyError(f"{topo.source}: levels[{i}].kind: {kind!r} is not a Worker subclass")
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise TopologyError(f"{topo.source}: levels[{i}].params: {exc}") from None
+
+
+class Cascade:
+    """A loaded hierarchy, ready to generate. Use as a context manager or call :meth:`close`."""
+
+    def __init__(self, topology: Topology, workers: dict[str, Worker], tokenizer=None, policy: Policy | None = None):
+        self.topology = topology
+        self.workers = workers
+        self.tokenizer = tokenizer
+        spec = topology.spec
+        try:
+            policy = policy or make_policy(spec.policy.name, spec.policy.params)
+            eos = set()
+            if tokenizer is not None and tokenizer.eos_token_id is not None:
+                eos.add(int(tokenizer.eos_token_id))
+            auth_worker = workers[topology.authority]
+            self.engine = Engine(
+                topology.graph,
+                topology.authority,
+                workers,
+                policy,
+                {lv.name: lv.sampling for lv in spec.levels},
+                eos_token_ids=eos,
+                context_length=getattr(auth_worker, "context_length", None),
+            )
+        except PolicyError as exc:
+            raise TopologyError(f"{topology.source}: policy.{exc}") from None
+
+    @classmethod
+    def from_topology(cls, path: str | Path, *, policy: str | Policy | None = None, device: str | None = None,
+                      **policy_params: Any) -> "Cascade":
+        """Load a topology file, its models and its policy (``policy`` overrides the file's)."""
+        topo = load_topology(path)
+        workers = build_workers(topo, device)
+        tokenizer = _load_tokenizer(topo)
+        return cls(topo, workers, tokenizer, _policy_arg(policy, policy_params, topo.source))
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        max_new_tokens: int = 128,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        policy: str | Policy | None = None,
+    ) -> Generation | list[Generation]:
+        """Generate for one prompt (-> a :class:`Generation`) or a list (-> a list, in order).
+
+        A prompt is a string or a list of token ids. Unset sampling parameters come from the
+        topology's ``sampling``. With several prompts and a seed, prompt ``i`` uses ``seed + i``.
+        """
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
+        )
+        batch = [prompts] if single else list(prompts)
+        if not batch:
+            raise RequestError("prompts: empty list")
+        pol = _policy_arg(policy, {}, "generate")
+        results = []
+        for i, prompt in enumerate(batch):
+            state = self._start(prompt, max_new_tokens, temperature, top_k, top_p,
+                                None if seed is None else seed + i)
+            for _ in self._run(state, stop, pol):
+                pass
+            results.append(self._result(prompt, state, stop))
+        return results[0] if single else results
+
+    def stream(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 128,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        policy: str | Policy | None = None,
+    ) -> Iterator[str]:
+        """Yield the text as it is committed. Text that could still become a stop string, or an
+        incomplete UTF-8 character, is held back until it is settled."""
+        self._need_tokenizer()
+        state = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed)
+        stops = _stop_list(stop)
+        sent = 0
+        for _ in self._run(state, stops, _policy_arg(policy, {}, "stream")):
+            text = self._text(state.generated, stops)
+            safe = len(text) if state.finish_reason else _settled(text, stops)
+            if safe > sent:
+                yield text[sent:safe]
+                sent = safe
+        text = self._text(state.generated, stops)
+        if len(text) > sent:
+            yield text[sent:]
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _start(self, prompt, max_new_tokens, temperature, top_k, top_p, seed) -> RequestState:
+        defaults = self.topology.spec.sampling
+        try:
+            sampling = Sampling(
+                temperature=defaults.temperature if temperature is None else temperature,
+                top_k=defaults.top_k if top_k is None else top_k,
+                top_p=defaults.top_p if top_p is None else top_p,
+            )
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise RequestError(f"{err['loc'][0]}: {err['msg']} (got {err.get('input')!r})") from None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt: empty prompt")
+            ids = self._need_tokenizer().encode(prompt, add_special_tokens=False)
+        else:
+            ids = [int(t) for t in prompt]
+        return self.engine.start(Request(ids, max_new_tokens, sampling, seed))
+
+    def _run(self, state: RequestState, stop, policy: Policy | None) -> Iterator[list[int]]:
+        stops = _stop_list(stop)
+        if stops:
+            self._need_tokenizer()
+        for new in self.engine.run(state, policy):
+            if stops and any(s in self._decode(state.generated) for s in stops):
+                state.finish_reason = "stop"
+                yield new
+                return
+            yield new
+
+    def _result(self, prompt: Prompt, state: RequestState, stop) -> Generation:
+        stops = _stop_list(stop)
+        ids = list(state.generated)
+        if state.finish_reason == "stop":
+            # Keep the shortest prefix of tokens whose text contains a stop string.
+            while len(ids) > 1 and any(s in self._decode(ids[:-1]) for s in stops):
+                ids.pop()
+            state.stats.new_tokens = len(ids)
+        text = self._text(ids, stops) if self.tokenizer is not None else ""
+        return Generation(prompt, ids, text, state.finish_reason or "length", state.stats)
+
+    def _text(self, ids: list[int], stops: list[str]) -> str:
+        text = self._decode(ids)
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        return text[:cut] if cut >= 0 else text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise RequestError("prompt: this topology has no tokenizer; pass token ids instead of text")
+        return self.tokenizer
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()
+        self.workers = {}
+
+    def __enter__(self) -> "Cascade":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _load_tokenizer(topo: Topology):
+    from transformers import AutoTokenizer
+
+    spec = topo.spec
+    if spec.tokenizer is not None:
+        path = str((topo.base_dir / spec.tokenizer).resolve())
+    else:
+        auth = spec.level(topo.authority)
+        if auth.kind != "hf":
+            return None
+        path = topo.model_path(auth)
+        if not has_tokenizer(path):
+            return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - report any loader failure as a topology problem
+        raise TopologyError(f"{topo.source}: tokenizer: cannot load from {path}: {exc}") from None
+
+
+def _policy_arg(policy, params: dict[str, Any], where: str) -> Policy | None:
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    try:
+        return make_policy(policy, params)
+    except PolicyError as exc:
+        raise RequestError(f"policy: {exc}") from None
+
+
+def _stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise RequestError(f"stop: stop strings must be non-empty strings, got {stop!r}")
+    return stops
+
+
+def _settled(text: str, stops: list[str]) -> int:
+    """Length of the prefix of ``text`` that no later token can change."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence so far
+        end -= 1
+    for s in stops:  # a tail that is a proper prefix of a stop string may still become one
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text[:end].endswith(s[:k]):
+                end -= k
+                break
+    return end

@@ -1,0 +1,45 @@
+"""The ``cascade`` command line.
+
+Each subcommand lives in its own module and exposes ``add_parser(subparsers)``, which
+registers the subcommand and sets ``func`` (called with the parsed namespace, returning an
+exit code). Modules are listed by name so that ``cascade --help`` stays cheap: heavy imports
+(torch, transformers, ray) happen inside the ``func`` of the command that needs them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+_COMMAND_MODULES = (
+    "cascade.commands",
+    "cascade.distill",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cascade",
+        description="Exact hierarchical speculative decoding over a topology of models.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

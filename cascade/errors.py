@@ -1,0 +1,26 @@
+"""Exception types raised by cascade. Each message names the file, field or parameter at fault."""
+from __future__ import annotations
+
+
+class CascadeError(Exception):
+    """Base class of every error cascade raises on purpose."""
+
+
+class TopologyError(CascadeError, ValueError):
+    """A topology file (or spec) is missing, malformed or inconsistent.
+
+    The message starts with the file (when there is one) and names the field, e.g.
+    ``topologies/bad.yaml: levels[1].model: path does not exist: /x/y``.
+    """
+
+
+class RequestError(CascadeError, ValueError):
+    """A generation request is invalid; the message names the parameter."""
+
+
+class WorkerError(CascadeError, RuntimeError):
+    """A worker failed. ``partial`` carries what was committed before the failure."""
+
+    def __init__(self, message: str, partial=None):
+        super().__init__(message)
+        self.partial = partial

@@ -1,0 +1,43 @@
+"""Sampling parameters, validated once at the boundary."""
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from cascade.verify import sampling_probs
+
+
+class Sampling(BaseModel):
+    """How a level turns logits into the distribution it samples from.
+
+    The authority always samples with the user's parameters; drafts use them too unless their
+    level overrides some fields (``LevelSpec.sampling``). Exactness holds either way because
+    verification sees the distribution each draft really sampled from.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy (argmax); >0 divides the logits.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set of mass >= top_p; 1 = off.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [..., vocab]
+        return sampling_probs(logits, self.temperature, self.top_k, self.top_p)
+
+
+class SamplingOverride(BaseModel):
+    """Per-level overrides for a draft's sampling; unset fields follow the request."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float | None = Field(None, ge=0.0, description="Draft temperature; 0 = greedy drafts.")
+    top_k: int | None = Field(None, ge=0, description="Draft top-k; 0 = off.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Draft top-p; 1 = off.")
+
+    def apply(self, base: Sampling) -> Sampling:
+        changes = {k: v for k, v in self.model_dump().items() if v is not None}
+        return base.model_copy(update=changes) if changes else base

@@ -1,0 +1,122 @@
+"""Per-request statistics: recorded by the engine, rendered by the CLI."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class LevelStats:
+    forward_passes: int = 0
+    seconds: float = 0.0  # wall time spent in this level's worker calls, as the engine saw it
+    tokens_proposed: int = 0  # tokens this level handed up to its verifier
+
+
+@dataclass
+class EdgeStats:
+    blocks: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    proposed_by_position: list[int] = field(default_factory=list)  # [j]: blocks with a token at j
+    accepted_by_position: list[int] = field(default_factory=list)  # [j]: of those, accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_block(self) -> float:
+        """Mean accepted tokens per proposed block."""
+        return self.accepted / self.blocks if self.blocks else 0.0
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        self.blocks += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        for counts, upto in ((self.proposed_by_position, proposed), (self.accepted_by_position, accepted)):
+            if len(counts) < upto:
+                counts.extend([0] * (upto - len(counts)))
+            for j in range(upto):
+                counts[j] += 1
+
+
+@dataclass
+class RequestStats:
+    authority: str
+    levels: dict[str, LevelStats] = field(default_factory=dict)
+    edges: dict[str, EdgeStats] = field(default_factory=dict)  # key "proposer->verifier"
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    wall_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # e.g. a level that went down
+
+    def level(self, name: str) -> LevelStats:
+        return self.levels.setdefault(name, LevelStats())
+
+    def edge(self, proposer: str, verifier: str) -> EdgeStats:
+        return self.edges.setdefault(f"{proposer}->{verifier}", EdgeStats())
+
+    @property
+    def authority_passes(self) -> int:
+        return self.level(self.authority).forward_passes
+
+    @property
+    def tokens_per_authority_pass(self) -> float:
+        return self.new_tokens / self.authority_passes if self.authority_passes else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    def merge(self, other: "RequestStats") -> "RequestStats":
+        """Add another request's figures into this one (for totals over many requests)."""
+        for name, s in other.levels.items():
+            mine = self.level(name)
+            mine.forward_passes += s.forward_passes
+            mine.seconds += s.seconds
+            mine.tokens_proposed += s.tokens_proposed
+        for key, e in other.edges.items():
+            mine = self.edges.setdefault(key, EdgeStats())
+            mine.blocks += e.blocks
+            mine.proposed += e.proposed
+            mine.accepted += e.accepted
+            for mine_counts, theirs in ((mine.proposed_by_position, e.proposed_by_position),
+                                        (mine.accepted_by_position, e.accepted_by_position)):
+                mine_counts.extend([0] * (len(theirs) - len(mine_counts)))
+                for j, c in enumerate(theirs):
+                    mine_counts[j] += c
+        self.prompt_tokens += other.prompt_tokens
+        self.new_tokens += other.new_tokens
+        self.steps += other.steps
+        self.wall_seconds += other.wall_seconds
+        self.notes.extend(other.notes)
+        return self
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for key, e in self.edges.items():
+            d["edges"][key].update(acceptance_rate=e.acceptance_rate, mean_accepted_block=e.mean_accepted_block)
+        d.update(
+            authority_passes=self.authority_passes,
+            tokens_per_authority_pass=self.tokens_per_authority_pass,
+            tokens_per_second=self.tokens_per_second,
+        )
+        return d
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.new_tokens} tokens in {self.wall_seconds:.3f} s ({self.tokens_per_second:.1f} tok/s), "
+            f"{self.authority_passes} authority passes ({self.tokens_per_authority_pass:.2f} tokens/pass)",
+            f"{'level':<14}{'passes':>8}{'seconds':>10}{'proposed':>10}",
+        ]
+        for name, s in self.levels.items():
+            lines.append(f"{name:<14}{s.forward_passes:>8}{s.seconds:>10.3f}{s.tokens_proposed:>10}")
+        if self.edges:
+            lines.append(f"{'edge':<22}{'blocks':>8}{'proposed':>10}{'accepted':>10}{'rate':>7}{'mean block':>12}")
+            for key, e in self.edges.items():
+                lines.append(
+                    f"{key:<22}{e.blocks:>8}{e.proposed:>10}{e.accepted:>10}"
+                    f"{e.acceptance_rate:>7.2f}{e.mean_accepted_block:>12.2f}"
+                )
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)

@@ -1,0 +1,302 @@
+"""Topology files: YAML -> pydantic models -> a validated networkx graph.
+
+A topology lists levels (models) and the edges "proposer -> verifier" between them. The graph
+must be a DAG with exactly one sink, the *authority*, which every level reaches; all levels
+share the authority's vocabulary. Every problem is reported as one :class:`TopologyError` whose
+message names the file, the field and what is wrong.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import networkx as nx
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cascade.errors import TopologyError
+from cascade.sampling import Sampling, SamplingOverride
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class Resources(BaseModel):
+    """What a level's Ray actor asks the cluster for (ignored in-process)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for the level's actor.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs for the actor; fractions share a GPU.")
+    custom: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources.")
+
+
+class LevelSpec(BaseModel):
+    """One level of the hierarchy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$", description="Unique level name.")
+    kind: str = Field(
+        "hf",
+        description="'hf' (transformers causal LM), 'ngram' (prompt lookup) or 'module:Class' "
+        "for a custom Worker built as Class(**params).",
+    )
+    model: str | None = Field(None, description="Hub id or path (relative to the YAML file); hf only.")
+    dtype: Literal["float32", "float16", "bfloat16", "float64", "auto"] = Field(
+        "float32", description="Weights and activations dtype."
+    )
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu or cuda:N.")
+    trust_remote_code: bool = Field(False, description="Allow the model repo's own code (hf only).")
+    resources: Resources = Field(default_factory=Resources, description="Ray resources for this level.")
+    sampling: SamplingOverride | None = Field(None, description="Draft-only sampling overrides.")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Kind-specific: ngram {max_ngram, min_ngram}; custom kwargs."
+    )
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        if v not in ("hf", "ngram") and not re.match(r"^[\w.]+:[\w.]+$", v):
+            raise ValueError("must be 'hf', 'ngram' or a 'module:Class' path")
+        return v
+
+    @model_validator(mode="after")
+    def _model_matches_kind(self) -> "LevelSpec":
+        if self.kind == "hf" and not self.model:
+            raise ValueError("an 'hf' level needs a 'model' (hub id or path)")
+        if self.kind == "ngram" and self.model:
+            raise ValueError("an 'ngram' level takes no 'model'")
+        if self.kind == "ngram" and set(self.params) - {"max_ngram", "min_ngram"}:
+            raise ValueError(f"ngram params are max_ngram and min_ngram, got {sorted(self.params)}")
+        return self
+
+
+class PolicySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("fixed", description="Registered policy name or 'module:Class'.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the policy.")
+
+
+class TopologySpec(BaseModel):
+    """The whole file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, description="A label for reports.")
+    levels: list[LevelSpec] = Field(min_length=1, description="Levels, cheapest first by convention.")
+    edges: list[tuple[str, str]] | None = Field(
+        None, description="[proposer, verifier] pairs; default: the chain in listed order."
+    )
+    policy: PolicySpec = Field(default_factory=PolicySpec, description="Default policy.")
+    sampling: Sampling = Field(default_factory=Sampling, description="Default request sampling.")
+    tokenizer: str | None = Field(None, description="Tokenizer path; default: the authority's model.")
+    backend: Literal["local", "ray"] = Field("local", description="Where levels run.")
+
+    @model_validator(mode="after")
+    def _names(self) -> "TopologySpec":
+        seen: set[str] = set()
+        for i, level in enumerate(self.levels):
+            if level.name in seen:
+                raise ValueError(f"levels[{i}].name: duplicate level name {level.name!r}")
+            seen.add(level.name)
+        for i, (a, b) in enumerate(self.edges or []):
+            for end in (a, b):
+                if end not in seen:
+                    raise ValueError(f"edges[{i}]: unknown level {end!r}")
+            if a == b:
+                raise ValueError(f"edges[{i}]: a level cannot propose to itself ({a!r})")
+        return self
+
+    def level(self, name: str) -> LevelSpec:
+        return next(lv for lv in self.levels if lv.name == name)
+
+    def level_index(self, name: str) -> int:
+        return next(i for i, lv in enumerate(self.levels) if lv.name == name)
+
+
+@dataclass
+class Topology:
+    """A validated topology: the spec, its graph, the authority and where the file was."""
+
+    spec: TopologySpec
+    graph: nx.DiGraph
+    authority: str
+    source: str  # file path or "<spec>"
+    base_dir: Path
+
+    def model_path(self, level: LevelSpec) -> str:
+        """The model reference as from_pretrained should see it (paths made absolute)."""
+        assert level.model is not None
+        candidate = (self.base_dir / level.model).expanduser()
+        return str(candidate.resolve()) if candidate.exists() else level.model
+
+    def paths(self) -> list[list[str]]:
+        """Every path from a source level to the authority."""
+        sources = [n for n in self.graph if self.graph.in_degree(n) == 0 and n != self.authority]
+        out: list[list[str]] = []
+        for s in sources:
+            out.extend(nx.all_simple_paths(self.graph, s, self.authority))
+        return out or [[self.authority]]
+
+
+def load_topology(path: str | Path, check_models: bool = True) -> Topology:
+    """Read, validate and graph a topology file. Raises :class:`TopologyError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise TopologyError(f"{path}: topology file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise TopologyError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise TopologyError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return topology_from_dict(data, source=str(path), base_dir=path.parent, check_models=check_models)
+
+
+def topology_from_dict(
+    data: dict[str, Any], source: str = "<spec>", base_dir: Path | str = ".", check_models: bool = True
+) -> Topology:
+    try:
+        spec = TopologySpec.model_validate(data)
+    except ValidationError as exc:
+        raise TopologyError(f"{source}: {_describe(exc, data)}") from None
+    graph, authority = build_graph(spec, source)
+    topo = Topology(spec, graph, authority, source, Path(base_dir))
+    if check_models:
+        check_model_files(topo)
+    return topo
+
+
+def build_graph(spec: TopologySpec, source: str = "<spec>") -> tuple[nx.DiGraph, str]:
+    """The levels as a DAG; checks acyclicity, one sink, reachability and level roles."""
+    graph = nx.DiGraph()
+    for level in spec.levels:
+        graph.add_node(level.name, kind=level.kind)
+    if spec.edges is None:
+        names = [lv.name for lv in spec.levels]
+        graph.add_edges_from(zip(names, names[1:]))
+    else:
+        graph.add_edges_from(spec.edges)
+    try:
+        cycle = nx.find_cycle(graph)
+    except nx.NetworkXNoCycle:
+        cycle = None
+    if cycle:
+        loop = " -> ".join([a for a, _ in cycle] + [cycle[0][0]])
+        raise TopologyError(f"{source}: edges: the graph has a cycle: {loop}")
+    sinks = [n for n in graph if graph.out_degree(n) == 0]
+    if len(sinks) != 1:
+        raise TopologyError(
+            f"{source}: edges: need exactly one sink (the authority), found {len(sinks)}: {sinks}"
+        )
+    authority = sinks[0]
+    # One sink in a DAG means every node reaches it; keep the check explicit for clarity.
+    for n in graph:
+        if not nx.has_path(graph, n, authority):
+            i = spec.level_index(n)
+            raise TopologyError(f"{source}: levels[{i}] ({n}): does not reach the authority {authority!r}")
+    for n in graph:
+        level = spec.level(n)
+        if level.kind == "ngram" and (graph.in_degree(n) > 0 or n == authority):
+            i = spec.level_index(n)
+            raise TopologyError(f"{source}: levels[{i}] ({n}): an ngram level can only propose, not verify")
+    auth = spec.level(authority)
+    if auth.sampling is not None:
+        i = spec.level_index(authority)
+        raise TopologyError(
+            f"{source}: levels[{i}].sampling: the authority samples with the request's parameters; "
+            "overrides are for drafts only"
+        )
+    return graph, authority
+
+
+def check_model_files(topo: Topology) -> None:
+    """Model paths exist; every hf level shares the authority's vocabulary."""
+    src = topo.source
+    for i, level in enumerate(topo.spec.levels):
+        if level.kind != "hf":
+            continue
+        ref = level.model or ""
+        local = (topo.base_dir / ref).expanduser()
+        if local.exists():
+            if not (local / "config.json").is_file():
+                raise TopologyError(f"{src}: levels[{i}].model: {local} has no config.json")
+        elif ref.startswith((".", "/", "~")) or not _HUB_ID.match(ref):
+            raise TopologyError(f"{src}: levels[{i}].model: path does not exist: {local}")
+    _check_vocabularies(topo)
+
+
+def _check_vocabularies(topo: Topology) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    src = topo.source
+    hf = [(i, lv) for i, lv in enumerate(topo.spec.levels) if lv.kind == "hf"]
+    if not hf:
+        return
+    auth_i = topo.spec.level_index(topo.authority)
+    ref_i, ref = next(((i, lv) for i, lv in hf if i == auth_i), hf[-1])
+    vocab_of: dict[int, tuple[dict[str, int] | None, int | None]] = {}
+    for i, lv in hf:
+        path = topo.model_path(lv)
+        vocab = None
+        if has_tokenizer(path):
+            try:
+                tok = AutoTokenizer.from_pretrained(path, trust_remote_code=lv.trust_remote_code)
+                vocab = tok.get_vocab()
+            except Exception as exc:  # noqa: BLE001 - any loader failure is a topology problem
+                raise TopologyError(f"{src}: levels[{i}].model: cannot load its tokenizer: {exc}") from None
+        try:
+            size = AutoConfig.from_pretrained(path, trust_remote_code=lv.trust_remote_code).vocab_size
+        except Exception as exc:  # noqa: BLE001
+            raise TopologyError(f"{src}: levels[{i}].model: cannot read its config: {exc}") from None
+        vocab_of[i] = (vocab, size)
+    ref_vocab, ref_size = vocab_of[ref_i]
+    for i, lv in hf:
+        vocab, size = vocab_of[i]
+        if (vocab is None) != (ref_vocab is None):
+            raise TopologyError(
+                f"{src}: levels[{i}].model: cannot compare vocabularies: only one of this level and "
+                f"the authority ({ref.name}) ships tokenizer files"
+            )
+        if vocab != ref_vocab:
+            diff = len(set(vocab.items()) ^ set(ref_vocab.items()))
+            raise TopologyError(
+                f"{src}: levels[{i}].model: tokenizer vocabulary differs from the authority's "
+                f"({ref.name}): {diff} differing entries"
+            )
+        if size != ref_size:
+            raise TopologyError(
+                f"{src}: levels[{i}].model: vocab_size {size} differs from the authority's "
+                f"({ref.name}) {ref_size}"
+            )
+
+
+def _describe(exc: ValidationError, data: dict[str, Any]) -> str:
+    """The first pydantic error as 'field.path: message', with level names where helpful."""
+    err = exc.errors()[0]
+    loc = list(err["loc"])
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1] = f"{parts[-1]}[{item}]" if parts else f"[{item}]"
+        else:
+            parts.append(str(item))
+    where = ".".join(parts)
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if err["type"] == "extra_forbidden":
+        msg = f"unknown field {loc[-1]!r}"
+    more = len(exc.errors()) - 1
+    return (f"{where}: {msg}" if where else msg) + (f" (and {more} more error{'s' if more > 1 else ''})" if more else "")
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether a local model directory ships tokenizer files (a hub id is assumed to)."""
+    p = Path(path)
+    if not p.is_dir():
+        return True
+    return any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))

@@ -1,0 +1,134 @@
+"""The exact acceptance rule of speculative sampling, as pure tensor functions.
+
+Names, by role (never ``p``/``q``):
+
+- ``draft_probs``: the distribution each proposed token was *really* sampled from, by the
+  proposing level (after its own temperature/top-k/top-p; one-hot for greedy or n-gram drafts).
+- ``target_probs``: the verifying level's sampling distribution at the same positions, plus one
+  more row for the position after the block.
+- ``accepted``: how many leading proposed tokens are kept.
+- ``recovered``: the token emitted at the first rejection, sampled from
+  ``normalize(max(0, target_probs[j] - draft_probs[j]))``.
+- ``bonus``: the token emitted when the whole block is accepted, sampled from
+  ``target_probs[n]`` (the verifier computed that row anyway).
+
+Randomness is passed in as uniforms in [0, 1) so that the caller owns the generator (one per
+request, seeded) and any backend reproduces the same tokens from the same seed. No models, no
+caches, no Ray here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+def sampling_probs(
+    logits: torch.Tensor,  # [..., vocab]
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> torch.Tensor:  # [..., vocab]
+    """The distribution a level samples from: temperature, then top-k, then top-p.
+
+    ``temperature == 0`` means greedy: a one-hot row at the (first) argmax. ``top_k == 0`` and
+    ``top_p == 1`` switch those filters off. Computed in at least float32.
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logits = logits.to(dtype)
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dtype)
+    logits = logits / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep a token while the mass ranked strictly above it is below top_p: the smallest
+        # set reaching top_p, and never an empty one.
+        mass_above = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_above >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_with_uniform(
+    probs: torch.Tensor,  # [..., vocab], rows need not be normalised
+    uniforms: torch.Tensor,  # [...], in [0, 1)
+) -> torch.Tensor:  # [...] long
+    """Inverse-CDF sampling: the token whose cumulative-mass interval contains ``u * total``.
+
+    A token of zero mass has an empty interval and can never be returned.
+    """
+    cdf = probs.to(torch.float64).cumsum(-1)
+    point = uniforms.to(torch.float64).unsqueeze(-1) * cdf[..., -1:]
+    idx = torch.searchsorted(cdf, point, right=True).squeeze(-1)
+    if idx.dim() == 0:  # one row: the common case, kept cheap
+        if int(idx) < probs.shape[-1]:
+            return idx
+        return (probs > 0).nonzero()[-1, 0]
+    # u * total can round up to total itself; fall back to the last token with mass.
+    last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)
+    return torch.minimum(idx, last_positive)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one block: keep ``accepted`` drafted tokens, then emit ``next_token``."""
+
+    accepted: int
+    next_token: int
+    bonus: bool  # True: all drafted tokens accepted and next_token is the bonus token
+
+
+def verify_block(
+    draft_tokens: torch.Tensor | list[int],  # [n] long
+    draft_probs: torch.Tensor | None,  # [n, vocab]; None when n == 0
+    target_probs: torch.Tensor,  # [n + 1, vocab]
+    uniforms: torch.Tensor,  # [n + 1]: n accept/reject draws, then one for the emitted token
+) -> Verdict:
+    """Verify one proposed block with the exact rule (DESIGN.md §2).
+
+    1. Accept ``x_j`` with probability ``min(1, target[j, x_j] / draft[j, x_j])``, in order.
+    2. At the first rejection ``j``: emit a recovered token from
+       ``normalize(max(0, target[j] - draft[j]))`` and discard the rest.
+    3. All accepted: emit a bonus token from ``target[n]``.
+    Greedy is the same rule with one-hot rows.
+    """
+    tokens = torch.as_tensor(draft_tokens, dtype=torch.long)
+    n = tokens.shape[0]
+    accepted = 0
+    if n:
+        positions = torch.arange(n)
+        target_at = target_probs[positions, tokens].tolist()
+        draft_at = draft_probs[positions, tokens].tolist()
+        draws = uniforms[:n].tolist()
+        # u < min(1, t/d)  <=>  u * d < t: no division, and a token the drafter gave no mass
+        # (impossible for a real sample) is rejected.
+        while accepted < n and draft_at[accepted] > 0 and draws[accepted] * draft_at[accepted] < target_at[accepted]:
+            accepted += 1
+    # The emitted token gets its own draw (the last one): reusing the draw that rejected x_j
+    # would correlate the two, since that draw is conditioned to lie above the acceptance ratio.
+    if accepted == n:
+        return Verdict(n, int(sample_with_uniform(target_probs[n], uniforms[n])), True)
+    target_row = target_probs[accepted].to(torch.promote_types(target_probs.dtype, draft_probs.dtype))
+    residual = (target_row - draft_probs[accepted]).clamp(min=0)
+    # The residual is all zeros only through rounding (target == draft at this row); the
+    # target row is then the right distribution to fall back to.
+    if not bool((residual > 0).any()):
+        residual = target_row
+    return Verdict(accepted, int(sample_with_uniform(residual, uniforms[n])), False)
+
+
+def verify_blocks(
+    draft_tokens: Sequence[Sequence[int]],  # per row: [n_b]
+    draft_probs: Sequence[torch.Tensor | None],  # per row: [n_b, vocab]
+    target_probs: Sequence[torch.Tensor],  # per row: [n_b + 1, vocab]
+    uniforms: Sequence[torch.Tensor],  # per row: [n_b + 1]
+) -> list[Verdict]:
+    """Verify several sequences' blocks (ragged lengths), one verdict each."""
+    return [verify_block(*row) for row in zip(draft_tokens, draft_probs, target_probs, uniforms)]

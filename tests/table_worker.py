@@ -1,0 +1,33 @@
+"""A cheap worker for the statistical tests: next-token logits from a fixed random bigram table.
+
+It implements the real Worker interface (score; drafting is the base class's), so tests drive
+the real engine through it. The distribution of a whole continuation is known in closed form,
+which is what the distribution tests compare against.
+"""
+from __future__ import annotations
+
+import torch
+
+from workers.base import Worker
+
+
+def bigram_table(vocab_size: int, seed: int, scale: float) -> torch.Tensor:  # [vocab, vocab]
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab_size, vocab_size, generator=g, dtype=torch.float64) * scale
+
+
+class TableWorker(Worker):
+    """Logits after token ``t`` are ``table[t]``; peaked (scale) and seed-specific so levels disagree."""
+
+    def __init__(self, vocab_size: int = 6, seed: int = 0, scale: float = 2.0):
+        self.vocab_size = vocab_size
+        self.table = bigram_table(vocab_size, seed, scale)
+        self.calls = 0
+
+    def score(self, seq_ids, token_ids, num_positions):
+        self.calls += 1
+        out = []
+        for tokens, n in zip(token_ids, num_positions):
+            last = torch.as_tensor(list(tokens[len(tokens) - n:]), dtype=torch.long)
+            out.append(self.table[last])
+        return out

@@ -1,0 +1,99 @@
+"""The worker interface: one model, many sequences; it scores and samples, it decides nothing.
+
+A worker keeps whatever per-sequence state it likes (a KV cache), keyed by ``seq_id``, and
+reconciles it with the token ids it is handed on every call: the caller always sends the full
+sequence (prompt + committed + proposed), so a rolled-back block simply disappears.
+
+Randomness comes in as uniforms drawn by the caller from the request's generator: a worker
+never owns a random state, so every backend gives the same tokens for the same seed.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from cascade.sampling import Sampling
+from cascade.verify import sample_with_uniform
+from policies.base import StopRule, draft_step
+
+
+@dataclass
+class Draft:
+    """A block drafted by one level for one sequence."""
+
+    tokens: list[int]
+    probs: torch.Tensor  # [len(tokens), vocab]: the distribution each token was sampled from
+    forward_passes: int
+
+
+class Worker(abc.ABC):
+    """One level's model host. Subclasses implement :meth:`score`; drafting is built on it.
+
+    ``vocab_size`` is the width of the rows :meth:`score` returns.
+    ``forward_passes_per_draft_token`` says what a drafted token costs in forward passes.
+    """
+
+    vocab_size: int
+    can_score: bool = True
+
+    @abc.abstractmethod
+    def score(
+        self,
+        seq_ids: Sequence[str],
+        token_ids: Sequence[Sequence[int]],
+        num_positions: Sequence[int],
+    ) -> list[torch.Tensor]:
+        """Logits ``[num_positions[b], vocab]`` for each sequence ``b``: row ``j`` predicts the
+        token after ``token_ids[b][len - num_positions[b] + j]``. One forward pass per call."""
+
+    def draft(
+        self,
+        seq_ids: Sequence[str],
+        token_ids: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        sampling: Sampling,
+        uniforms: Sequence[torch.Tensor],  # per sequence: [max_tokens[b]] in [0, 1)
+        stop: StopRule | None = None,
+    ) -> list[Draft]:
+        """Sample up to ``max_tokens[b]`` tokens autoregressively for each sequence, stopping
+        early where ``stop`` says so. All still-drafting sequences share each forward pass."""
+        drafted: list[list[int]] = [[] for _ in seq_ids]
+        rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]
+        block_prob = [1.0] * len(seq_ids)
+        passes = [0] * len(seq_ids)
+        active = [b for b in range(len(seq_ids)) if max_tokens[b] > 0]
+        while active:
+            logits = self.score(
+                [seq_ids[b] for b in active],
+                [list(token_ids[b]) + drafted[b] for b in active],
+                [1] * len(active),
+            )
+            still = []
+            for b, row_logits in zip(active, logits):
+                probs = sampling.probs(row_logits[-1])
+                j = len(drafted[b])
+                token = int(sample_with_uniform(probs, uniforms[b][j]))
+                drafted[b].append(token)
+                rows[b].append(probs)
+                passes[b] += 1
+                done = len(drafted[b]) >= max_tokens[b]
+                if stop is not None and not done:
+                    step = draft_step(j, probs, token, block_prob[b])
+                    block_prob[b] = step.block_prob
+                    done = stop.should_stop(step)
+                if not done:
+                    still.append(b)
+            active = still
+        return [
+            Draft(drafted[b], torch.stack(rows[b]) if rows[b] else torch.zeros(0, self.vocab_size), passes[b])
+            for b in range(len(seq_ids))
+        ]
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        """Forget the state of finished sequences."""
+
+    def close(self) -> None:
+        """Free resources (models, caches)."""
