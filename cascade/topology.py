@@ -189,6 +189,15 @@ def build_graph(spec: TopologySpec, source: str = "<spec>") -> tuple[nx.DiGraph,
         raise TopologyError(f"{source}: edges: the graph has a cycle: {loop}")
     sinks = [n for n in graph if graph.out_degree(n) == 0]
     if len(sinks) != 1:
+        last = spec.levels[-1].name
+        if last in sinks:
+            # By convention the authority is listed last: name the levels that do not reach it.
+            strays = [n for n in graph if not nx.has_path(graph, n, last)]
+            where = ", ".join(f"levels[{spec.level_index(n)}] ({n})" for n in strays)
+            raise TopologyError(
+                f"{source}: {where}: does not reach the authority {last!r} "
+                f"(edges: need exactly one sink, found {len(sinks)}: {sinks})"
+            )
         raise TopologyError(
             f"{source}: edges: need exactly one sink (the authority), found {len(sinks)}: {sinks}"
         )

@@ -43,5 +43,47 @@ def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
 
 __all__ = [
     "DraftStep", "EdgeOutcome", "PlanContext", "Policy", "PolicyError", "StepFeedback", "StepPlan",
-    "StopRule", "draft_step", "longest_path", "make_policy", "resolve", "REGISTRY",
+    "StopRule", "draft_step", "longest_path", "make_policy", "parse_policy_spec", "resolve", "REGISTRY",
 ]
+
+
+def parse_policy_spec(text: str) -> tuple[str, dict[str, Any]]:
+    """``NAME[:key=value,...]`` -> (name, params). NAME may itself be ``module:Class``.
+
+    Values are YAML scalars or flow collections: ``fixed:lookahead=3``,
+    ``fixed:lookahead={tiny: 2, small: 4}``, ``mypkg.pol:MyPolicy:threshold=0.3``.
+    """
+    import yaml
+
+    name, params_text = text, ""
+    head, sep, tail = text.rpartition(":")
+    if sep and "=" in tail:
+        name, params_text = head, tail
+    params: dict[str, Any] = {}
+    for item in _split_top_level(params_text):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise PolicyError(f"params: expected key=value, got {item!r} in {text!r}")
+        try:
+            params[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise PolicyError(f"params: cannot parse {key.strip()}={value!r}: {exc}") from None
+    if not name:
+        raise PolicyError(f"name: empty policy name in {text!r}")
+    return name, params
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets and braces."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    if text[start:].strip():
+        items.append(text[start:])
+    return [s for s in items if s.strip()]
