@@ -13,6 +13,7 @@ import sys
 
 _COMMAND_MODULES = (
     "cascade.commands",
+    "cascade.demo",
     "cascade.distill",
 )
 

@@ -26,9 +26,10 @@ PROMPT = [0]
 MAX_NEW = 4
 
 
-def table_topology(tmp_path, depth: int, policy: dict | None = None, draft_sampling=None) -> str:
+def table_topology(tmp_path, depth: int, policy: dict | None = None, draft_sampling=None,
+                   ngram: bool = False) -> str:
     names = ["tiny", "small", "medium", "large"][4 - depth:]
-    levels = []
+    levels = [{"name": "ngram", "kind": "ngram"}] if ngram else []
     for i, name in enumerate(names):
         level = {"name": name, "kind": "table_worker:TableWorker",
                  "params": {"vocab_size": VOCAB, "seed": 10 + i, "scale": SCALE}}
@@ -39,9 +40,9 @@ def table_topology(tmp_path, depth: int, policy: dict | None = None, draft_sampl
     return str(write_topology(tmp_path / f"table{depth}.yaml", data))
 
 
-def exact_pairs(depth: int, temperature: float, top_k: int, top_p: float) -> dict:
+def exact_pairs(depth: int, temperature: float, top_k: int, top_p: float, prompt=PROMPT) -> dict:
     table = bigram_table(VOCAB, 10 + depth - 1, SCALE)  # the authority's table
-    first = reference_warp(table[PROMPT[-1]].tolist(), temperature, top_k, top_p)
+    first = reference_warp(table[prompt[-1]].tolist(), temperature, top_k, top_p)
     out = {}
     for a in range(VOCAB):
         second = reference_warp(table[a].tolist(), temperature, top_k, top_p)
@@ -50,9 +51,9 @@ def exact_pairs(depth: int, temperature: float, top_k: int, top_p: float) -> dic
     return out
 
 
-def draw_pairs(topology: str, n: int, seed: int, **sampling) -> Counter:
+def draw_pairs(topology: str, n: int, seed: int, prompt=PROMPT, max_new=MAX_NEW, **sampling) -> Counter:
     with Cascade.from_topology(topology) as c:
-        results = c.generate([PROMPT] * n, max_new_tokens=MAX_NEW, seed=seed, **sampling)
+        results = c.generate([prompt] * n, max_new_tokens=max_new, seed=seed, **sampling)
     return Counter(tuple(g.token_ids[:2]) for g in results)
 
 
@@ -73,6 +74,23 @@ def test_joint_distribution_of_two_tokens_is_exact(tmp_path, depth, temperature,
     expected = exact_pairs(depth, temperature, top_k, top_p)
     stat, pvalue = chi_square_pvalue(counts, expected, n)
     assert pvalue > 1e-4, (stat, pvalue, total_variation(counts, expected, n))
+    assert total_variation(counts, expected, n) < 0.012
+
+
+def test_joint_distribution_with_ngram_bottom_level(tmp_path):
+    """One-hot n-gram drafts under sampling: the prompt repeats, so prompt lookup proposes."""
+    n = 100_000
+    prompt = [0, 1, 2, 0, 1]
+    policy = {"name": "fixed", "params": {"lookahead": {"ngram": 3, "small": 3, "medium": 5}}}
+    topo = table_topology(tmp_path, 3, policy=policy, ngram=True)
+    with Cascade.from_topology(topo) as c:
+        results = c.generate([prompt] * n, max_new_tokens=6, seed=11, temperature=1.0)
+    counts = Counter(tuple(g.token_ids[:2]) for g in results)
+    proposed = sum(g.stats.edges["ngram->small"].proposed for g in results if "ngram->small" in g.stats.edges)
+    assert proposed > n / 2  # the n-gram level really drafted
+    expected = exact_pairs(3, 1.0, 0, 1.0, prompt=prompt)
+    stat, pvalue = chi_square_pvalue(counts, expected, n)
+    assert pvalue > 1e-4, (stat, pvalue)
     assert total_variation(counts, expected, n) < 0.012
 
 

@@ -1,0 +1,48 @@
+"""Plain decoding baselines, measured with the same clock as the cascade."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from cascade.errors import RequestError
+
+
+def plain_generate(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    """Greedy decoding of ``model`` alone with transformers' own ``generate``.
+
+    Returns (new token ids, seconds). Stops at the model's EOS like the cascade does.
+    """
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+            pad_token_id=model.generation_config.pad_token_id or model.generation_config.eos_token_id,
+        )
+    seconds = time.perf_counter() - t0
+    return out[0, len(prompt_ids):].tolist(), seconds
+
+
+def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    """Prompts from a JSONL file: one object per line with a ``prompt`` field."""
+    path = Path(path)
+    if not path.is_file():
+        raise RequestError(f"prompts: file not found: {path}")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"prompts: {path}:{n}: invalid JSON: {exc}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+            raise RequestError(f"prompts: {path}:{n}: expected an object with a non-empty 'prompt' string")
+        prompts.append(obj["prompt"])
+    if not prompts:
+        raise RequestError(f"prompts: {path} holds no prompts")
+    return prompts[:limit] if limit else prompts
