@@ -9,10 +9,10 @@ from typing import Any, Iterator, Sequence
 from pydantic import ValidationError
 
 from cascade.engine import Engine, Request, RequestState
-from cascade.errors import RequestError, TopologyError
+from cascade.errors import RequestError, TopologyError, WorkerError
 from cascade.sampling import Sampling
 from cascade.stats import RequestStats
-from cascade.topology import Topology, has_tokenizer, load_topology
+from cascade.topology import LevelSpec, Topology, has_tokenizer, load_topology
 from policies import Policy, PolicyError, make_policy
 from workers.base import Worker
 
@@ -43,58 +43,82 @@ class Generation:
 
 def build_workers(topo: Topology, device: str | None = None) -> dict[str, Worker]:
     """Instantiate every level's worker in this process."""
-    from workers.hf import HFWorker
-    from workers.ngram import NGramWorker
-
     workers: dict[str, Worker] = {}
-    deferred = []
-    for i, level in enumerate(topo.spec.levels):
-        if level.kind == "hf":
-            try:
-                workers[level.name] = HFWorker(
-                    topo.model_path(level), level.dtype, device or level.device, level.trust_remote_code
-                )
-            except OSError as exc:
-                raise TopologyError(f"{topo.source}: levels[{i}].model: cannot load: {exc}") from None
-        elif level.kind == "ngram":
-            deferred.append(level)
-        else:
-            workers[level.name] = _custom_worker(topo, i, level.kind, level.params)
-    vocab = workers[topo.authority].vocab_size
-    for level in deferred:
-        workers[level.name] = NGramWorker(vocab, **level.params)
-    for i, level in enumerate(topo.spec.levels):
-        if workers[level.name].vocab_size != vocab:
-            raise TopologyError(
-                f"{topo.source}: levels[{i}]: vocabulary of {workers[level.name].vocab_size} rows "
-                f"differs from the authority's {vocab}"
-            )
+    levels = list(enumerate(topo.spec.levels))
+    # n-gram levels take the authority's vocabulary size: build them last.
+    for i, level in sorted(levels, key=lambda il: il[1].kind == "ngram"):
+        vocab = workers[topo.authority].vocab_size if level.kind == "ngram" else None
+        workers[level.name] = build_worker(level, level_model_path(topo, level), i, topo.source, device, vocab)
+    check_vocab_sizes(topo, {name: w.vocab_size for name, w in workers.items()})
     return workers
 
 
-def _custom_worker(topo: Topology, i: int, kind: str, params: dict[str, Any]) -> Worker:
+def level_model_path(topo: Topology, level: LevelSpec) -> str | None:
+    return topo.model_path(level) if level.kind == "hf" else None
+
+
+def build_worker(
+    level: LevelSpec,
+    model_path: str | None,
+    index: int,
+    source: str,
+    device: str | None = None,
+    vocab_size: int | None = None,
+) -> Worker:
+    """One level's worker, from its spec alone (so that a Ray actor can build it remotely).
+
+    ``model_path`` is the resolved model reference (hf levels); ``vocab_size`` the authority's
+    (n-gram levels); ``index`` and ``source`` only name the level in errors.
+    """
+    if level.kind == "hf":
+        from workers.hf import HFWorker
+
+        try:
+            return HFWorker(model_path, level.dtype, device or level.device, level.trust_remote_code)
+        except OSError as exc:
+            raise TopologyError(f"{source}: levels[{index}].model: cannot load: {exc}") from None
+    if level.kind == "ngram":
+        from workers.ngram import NGramWorker
+
+        return NGramWorker(vocab_size, **level.params)
+    return _custom_worker(source, index, level.kind, level.params)
+
+
+def check_vocab_sizes(topo: Topology, sizes: dict[str, int]) -> None:
+    vocab = sizes[topo.authority]
+    for i, level in enumerate(topo.spec.levels):
+        if sizes[level.name] != vocab:
+            raise TopologyError(
+                f"{topo.source}: levels[{i}]: vocabulary of {sizes[level.name]} rows "
+                f"differs from the authority's {vocab}"
+            )
+
+
+def _custom_worker(source: str, i: int, kind: str, params: dict[str, Any]) -> Worker:
     import importlib
 
     module_name, _, attr = kind.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise TopologyError(f"{topo.source}: levels[{i}].kind: cannot import {kind!r}: {exc}") from None
+        raise TopologyError(f"{source}: levels[{i}].kind: cannot import {kind!r}: {exc}") from None
     if not (isinstance(cls, type) and issubclass(cls, Worker)):
-        raise TopologyError(f"{topo.source}: levels[{i}].kind: {kind!r} is not a Worker subclass")
+        raise TopologyError(f"{source}: levels[{i}].kind: {kind!r} is not a Worker subclass")
     try:
         return cls(**params)
     except TypeError as exc:
-        raise TopologyError(f"{topo.source}: levels[{i}].params: {exc}") from None
+        raise TopologyError(f"{source}: levels[{i}].params: {exc}") from None
 
 
 class Cascade:
     """A loaded hierarchy, ready to generate. Use as a context manager or call :meth:`close`."""
 
-    def __init__(self, topology: Topology, workers: dict[str, Worker], tokenizer=None, policy: Policy | None = None):
+    def __init__(self, topology: Topology, workers: dict[str, Worker], tokenizer=None, policy: Policy | None = None,
+                 backend=None):
         self.topology = topology
         self.workers = workers
         self.tokenizer = tokenizer
+        self.backend = backend  # e.g. a RayBackend: closed after the workers
         spec = topology.spec
         try:
             policy = policy or make_policy(spec.policy.name, spec.policy.params)
@@ -116,12 +140,29 @@ class Cascade:
 
     @classmethod
     def from_topology(cls, path: str | Path, *, policy: str | Policy | None = None, device: str | None = None,
+                      backend: str | None = None, address: str | None = None,
                       **policy_params: Any) -> "Cascade":
-        """Load a topology file, its models and its policy (``policy`` overrides the file's)."""
+        """Load a topology file, its models and its policy (``policy`` overrides the file's).
+
+        ``backend`` ("local" or "ray") and ``address`` (Ray only) override the file's
+        ``backend`` and ``ray.address``.
+        """
         topo = load_topology(path)
-        workers = build_workers(topo, device)
+        backend = backend or topo.spec.backend
+        if backend not in ("local", "ray"):
+            raise RequestError(f"backend: expected 'local' or 'ray', got {backend!r}")
+        pol = _policy_arg(policy, policy_params, topo.source)
         tokenizer = _load_tokenizer(topo)
-        return cls(topo, workers, tokenizer, _policy_arg(policy, policy_params, topo.source))
+        if backend == "local":
+            return cls(topo, build_workers(topo, device), tokenizer, pol)
+        from cascade.ray_backend import RayBackend
+
+        ray_backend = RayBackend.start(topo, address=address, device=device)
+        try:
+            return cls(topo, ray_backend.workers, tokenizer, pol, backend=ray_backend)
+        except BaseException:
+            ray_backend.close()
+            raise
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -152,8 +193,14 @@ class Cascade:
         for i, prompt in enumerate(batch):
             state = self._start(prompt, max_new_tokens, temperature, top_k, top_p,
                                 None if seed is None else seed + i)
-            for _ in self._run(state, stop, pol):
-                pass
+            try:
+                for _ in self._run(state, stop, pol):
+                    pass
+            except WorkerError as exc:
+                # The authority is down: hand back what it had committed, as a result.
+                state.finish_reason = "error"
+                exc.partial = self._result(prompt, state, stop)
+                raise
             results.append(self._result(prompt, state, stop))
         return results[0] if single else results
 
@@ -244,6 +291,9 @@ class Cascade:
         for w in self.workers.values():
             w.close()
         self.workers = {}
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
 
     def __enter__(self) -> "Cascade":
         return self

@@ -24,7 +24,7 @@ from typing import Iterator, Mapping
 import networkx as nx
 import torch
 
-from cascade.errors import RequestError
+from cascade.errors import RequestError, WorkerError
 from cascade.sampling import Sampling, SamplingOverride
 from cascade.stats import RequestStats
 from cascade.verify import sample_with_uniform, verify_block
@@ -131,14 +131,21 @@ class Engine:
         if self.context_length is not None:
             limit = min(limit, self.context_length - len(request.prompt_ids))
         started = time.perf_counter()
+        available = set(self.workers)
         try:
             while state.finish_reason is None:
                 remaining = limit - len(state.generated)
                 ctx = PlanContext(self.graph, self.authority, remaining, state.stats.steps,
-                                  frozenset(self.workers))
+                                  frozenset(available))
                 plan = policy.plan(ctx)
                 record = _StepRecord(state.stats)
-                new = self._step(state, plan, remaining, record)
+                try:
+                    new = self._step(state, plan, remaining, record)
+                except WorkerError as exc:
+                    if not self._drop_level(exc, available, state):
+                        exc.partial = list(state.generated)
+                        raise
+                    continue  # redo the step without the level; nothing was committed
                 state.stats.steps += 1
                 policy.observe(StepFeedback(plan, tuple(record.edges), record.seconds, record.passes, len(new)))
                 for i, tok in enumerate(new):
@@ -156,6 +163,18 @@ class Engine:
             state.stats.wall_seconds = time.perf_counter() - started
             for w in self.workers.values():
                 w.release([state.seq_id])
+
+    def _drop_level(self, exc: WorkerError, available: set[str], state: RequestState) -> bool:
+        """A draft level failed: leave it out for the rest of the request and say so. Its
+        tokens were never committed unverified, so the output does not depend on it. The
+        authority (or an unknown level, or one already dropped) cannot be skipped: False."""
+        if exc.level is None or exc.level == self.authority or exc.level not in available:
+            return False
+        available.discard(exc.level)
+        state.stats.notes.append(
+            f"level {exc.level!r} unavailable from step {state.stats.steps}, continuing without it: {exc}"
+        )
+        return True
 
     def generate(self, request: Request, policy: Policy | None = None) -> RequestState:
         state = self.start(request)
@@ -178,6 +197,16 @@ class Engine:
         return override.apply(base) if (override is not None and level != self.authority) else base
 
     def _extend(
+        self, state: RequestState, plan: StepPlan, i: int, prefix: list[int], budget: int, record: _StepRecord
+    ) -> tuple[list[int], torch.Tensor | None]:
+        try:
+            return self._extend_level(state, plan, i, prefix, budget, record)
+        except WorkerError as exc:
+            if exc.level is None:  # name the failing level (the innermost call sets it first)
+                exc.level = plan.path[i]
+            raise
+
+    def _extend_level(
         self, state: RequestState, plan: StepPlan, i: int, prefix: list[int], budget: int, record: _StepRecord
     ) -> tuple[list[int], torch.Tensor | None]:
         """Up to ``budget`` exact samples of level ``plan.path[i]`` after ``prefix``, with the
@@ -206,8 +235,14 @@ class Engine:
             else:
                 sub_tokens, sub_probs = [], None
             t0 = time.perf_counter()
-            logits = worker.score([state.seq_id], [prefix + out + sub_tokens], [len(sub_tokens) + 1])[0]
-            level_probs = sampling.probs(logits)  # [len(sub_tokens) + 1, vocab]
+            scored = ([state.seq_id], [prefix + out + sub_tokens], [len(sub_tokens) + 1])
+            if stop is None:
+                # Only the sampling rows are needed: a remote worker warps next to the model and
+                # ships the nonzero entries alone.
+                level_probs = worker.score_probs(*scored, sampling)[0]  # [len(sub_tokens) + 1, vocab]
+            else:  # the stop rule reads the model's own logits
+                logits = worker.score(*scored)[0]
+                level_probs = sampling.probs(logits)
             record.cost(level, time.perf_counter() - t0, 1)
             n = len(sub_tokens)
             uniforms = torch.rand(n + 1, generator=state.generator, dtype=torch.float64)

@@ -19,8 +19,11 @@ class RequestError(CascadeError, ValueError):
 
 
 class WorkerError(CascadeError, RuntimeError):
-    """A worker failed. ``partial`` carries what was committed before the failure."""
+    """A worker failed. ``level`` names it (when known); ``partial`` carries what was committed
+    before the failure: the engine sets the token ids, :class:`cascade.Cascade` replaces them
+    with a :class:`cascade.api.Generation` (``finish_reason="error"``, ``.text``)."""
 
-    def __init__(self, message: str, partial=None):
+    def __init__(self, message: str, partial=None, level: str | None = None):
         super().__init__(message)
         self.partial = partial
+        self.level = level

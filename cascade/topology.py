@@ -73,6 +73,29 @@ class LevelSpec(BaseModel):
         return self
 
 
+class RaySpec(BaseModel):
+    """How the Ray backend (``backend: ray``) places and supervises the level actors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = Field(
+        None,
+        pattern=r"^(auto|local|(ray://)?[\w.-]+:\d+)$",
+        description="'auto' (an existing cluster: RAY_ADDRESS or the one `ray start` runs here), "
+        "'local' (start a private one, shut down on close), or 'host:port' / 'ray://host:port'. "
+        "Default: auto when RAY_ADDRESS is set (e.g. inside a Ray job), else local.",
+    )
+    namespace: str | None = Field(None, description="Ray namespace when cascade connects (default: Ray's).")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Placement group strategy over the levels' bundles."
+    )
+    max_restarts: int = Field(3, ge=0, description="Times a dead level actor is restarted (its calls retried).")
+    call_timeout_s: float = Field(
+        300.0, gt=0, description="Longest wait for one remote call, including a restart's model reload."
+    )
+    placement_timeout_s: float = Field(120.0, gt=0, description="Longest wait for the placement group.")
+
+
 class PolicySpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -94,6 +117,7 @@ class TopologySpec(BaseModel):
     sampling: Sampling = Field(default_factory=Sampling, description="Default request sampling.")
     tokenizer: str | None = Field(None, description="Tokenizer path; default: the authority's model.")
     backend: Literal["local", "ray"] = Field("local", description="Where levels run.")
+    ray: RaySpec = Field(default_factory=RaySpec, description="Ray backend settings (backend: ray).")
 
     @model_validator(mode="after")
     def _names(self) -> "TopologySpec":

@@ -49,6 +49,19 @@ class Worker(abc.ABC):
         """Logits ``[num_positions[b], vocab]`` for each sequence ``b``: row ``j`` predicts the
         token after ``token_ids[b][len - num_positions[b] + j]``. One forward pass per call."""
 
+    def score_probs(
+        self,
+        seq_ids: Sequence[str],
+        token_ids: Sequence[Sequence[int]],
+        num_positions: Sequence[int],
+        sampling: Sampling,
+    ) -> list[torch.Tensor]:
+        """:meth:`score`, turned into the level's sampling distribution ``[num_positions[b], vocab]``.
+
+        What the engine verifies with. A remote backend overrides it to warp next to the model
+        and ship only the nonzero entries (a greedy row is one entry, not ``vocab``)."""
+        return [sampling.probs(logits) for logits in self.score(seq_ids, token_ids, num_positions)]
+
     def draft(
         self,
         seq_ids: Sequence[str],
