@@ -1,0 +1,497 @@
+"""The Ray backend: each level runs in one Ray actor that wraps the same worker class as in-process.
+
+Ray stays at this edge. :class:`LevelActor` is a plain class (``ray.remote`` is applied when the
+actors are created) that builds the level's worker with :func:`cascade.api.build_worker`;
+:class:`RayWorker` is a :class:`~workers.base.Worker` whose calls go to that actor, so the engine
+does not know where a level runs. :class:`RayBackend` places the actors in one placement group,
+supervises them and removes everything it created on :meth:`RayBackend.close`.
+
+Wire cost (DESIGN.md §4). Per call the driver sends the tokens the actor has not seen yet (the
+actor keeps the last sequence it was sent; after a restart it asks for the whole sequence once)
+and the actor answers with sampling rows, not logits: warping happens next to the model and only
+the nonzero entries travel, so a greedy row is one (index, value) pair. Verification needs
+exactly those rows (DESIGN.md §2); nothing is rounded, so results are bit-identical to the
+in-process backend.
+
+Faults. Actors restart up to ``ray.max_restarts`` times and Ray re-runs the interrupted call on
+the new actor, which rebuilds its cache from the full sequence (the worker reconciles its cache
+on every call), so the request completes with the same tokens. A level that stays down raises
+:class:`~cascade.errors.WorkerError` naming it: the engine continues without a draft level and
+fails with the committed prefix if it is the authority.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from cascade.errors import TopologyError, WorkerError
+from cascade.sampling import Sampling
+from cascade.topology import LevelSpec, Topology
+from policies.base import StopRule
+from workers.base import Draft, Worker
+
+log = logging.getLogger(__name__)
+
+
+# -- wire format ---------------------------------------------------------------------------------
+
+@dataclass
+class PackedRows:
+    """A ``[n, vocab]`` tensor for the wire: dense, or its nonzero entries when that is smaller.
+
+    Lossless either way: ``unpack()`` returns a tensor equal to the original, dtype included.
+    """
+
+    shape: tuple[int, int]
+    dtype: str
+    dense: np.ndarray | None = None  # [n, vocab]
+    rows: np.ndarray | None = None  # [nnz] int32: row of each nonzero entry
+    cols: np.ndarray | None = None  # [nnz] int32: its column (token id)
+    values: np.ndarray | None = None  # [nnz]: its value
+
+    @classmethod
+    def pack(cls, t: torch.Tensor) -> "PackedRows":  # t: [n, vocab]
+        t = t.detach().cpu()
+        dtype = str(t.dtype).removeprefix("torch.")
+        nnz = int(torch.count_nonzero(t))
+        itemsize = t.element_size()
+        if nnz * (8 + itemsize) >= t.numel() * itemsize:
+            return cls(tuple(t.shape), dtype, dense=t.numpy())
+        rows, cols = t.nonzero(as_tuple=True)
+        return cls(tuple(t.shape), dtype, rows=rows.to(torch.int32).numpy(),
+                   cols=cols.to(torch.int32).numpy(), values=t[rows, cols].numpy())
+
+    def unpack(self) -> torch.Tensor:  # [n, vocab]
+        if self.dense is not None:
+            return torch.from_numpy(_writable(self.dense))
+        out = torch.zeros(self.shape, dtype=getattr(torch, self.dtype))
+        out[torch.from_numpy(_writable(self.rows)).long(), torch.from_numpy(_writable(self.cols)).long()] = \
+            torch.from_numpy(_writable(self.values))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.dense, self.rows, self.cols, self.values) if a is not None)
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    """Arrays from Ray's object store are read-only views; torch wants to own writable memory."""
+    return a if a.flags.writeable else a.copy()
+
+
+@dataclass
+class WireStats:
+    """Payload bytes a :class:`RayWorker` moved (array bytes and 8 per scalar; Ray's framing excluded)."""
+
+    calls: int = 0
+    sent: int = 0
+    received: int = 0
+    resyncs: int = 0  # calls repeated with the whole sequence (a restarted actor)
+
+    @property
+    def total(self) -> int:
+        return self.sent + self.received
+
+
+# -- the actor -----------------------------------------------------------------------------------
+
+@dataclass
+class LevelBuild:
+    """What an actor needs to build its level's worker, and nothing more (it is pickled)."""
+
+    level: LevelSpec
+    model_path: str | None
+    index: int
+    source: str
+    device: str | None = None
+    vocab_size: int | None = None  # the authority's, for n-gram levels
+
+
+def _actor_device(build: LevelBuild) -> tuple[str, str]:
+    """The device inside the actor and a note saying why. Ray sets CUDA_VISIBLE_DEVICES to the
+    GPUs it assigned, so ``cuda`` (or ``cuda:0``) is the first of those."""
+    import ray
+
+    wanted = build.device or build.level.device
+    gpu_ids = ray.get_gpu_ids()
+    if gpu_ids and wanted == "auto":
+        wanted = "cuda"
+    if wanted.startswith("cuda") and not torch.cuda.is_available():
+        return "cpu", f"GPU ids {gpu_ids} assigned but CUDA is not available: running on CPU"
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    return wanted, f"running on {wanted} (GPU ids {gpu_ids})"
+
+
+class LevelActor:
+    """One level's worker inside a Ray actor. Plain class: ``ray.remote`` is applied at creation."""
+
+    def __init__(self, build: LevelBuild, num_threads: int = 1):
+        from cascade.api import build_worker
+
+        torch.set_num_threads(max(1, num_threads))
+        self.build = build
+        device, self.device_note = _actor_device(build)
+        build = dataclasses.replace(build, device=device)
+        if device == "cpu" and self.device_note.startswith("GPU ids"):
+            log.warning("level %s: %s", build.level.name, self.device_note)
+        self.worker = build_worker(build.level, build.model_path, build.index, build.source, build.device,
+                                   build.vocab_size)
+        self.tokens: dict[str, list[int]] = {}  # the last sequence sent for each seq_id
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {
+            "level": self.build.level.name,
+            "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "cuda_available": torch.cuda.is_available(),
+            "device": str(getattr(self.worker, "device", "cpu")),
+            "device_note": self.device_note,
+            "vocab_size": self.worker.vocab_size,
+            "context_length": getattr(self.worker, "context_length", None),
+            "can_score": self.worker.can_score,
+        }
+
+    def _sequences(self, seq_ids, keeps, suffixes) -> list[list[int]] | None:
+        """Rebuild the full sequences from (kept prefix length, new tokens); None: resend all."""
+        out = []
+        for seq, keep, suffix in zip(seq_ids, keeps, suffixes):
+            known = self.tokens.get(seq, [])
+            if keep > len(known):
+                return None  # this actor restarted (or never saw the sequence)
+            tokens = known[:keep] + suffix.tolist()
+            self.tokens[seq] = tokens
+            out.append(tokens)
+        return out
+
+    def score(self, seq_ids, keeps, suffixes, num_positions):
+        seqs = self._sequences(seq_ids, keeps, suffixes)
+        if seqs is None:
+            return None
+        return [PackedRows.pack(r) for r in self.worker.score(seq_ids, seqs, num_positions)]
+
+    def score_probs(self, seq_ids, keeps, suffixes, num_positions, sampling: Sampling):
+        seqs = self._sequences(seq_ids, keeps, suffixes)
+        if seqs is None:
+            return None
+        return [PackedRows.pack(r) for r in self.worker.score_probs(seq_ids, seqs, num_positions, sampling)]
+
+    def draft(self, seq_ids, keeps, suffixes, max_tokens, sampling: Sampling, uniforms, stop: StopRule | None):
+        seqs = self._sequences(seq_ids, keeps, suffixes)
+        if seqs is None:
+            return None
+        drafts = self.worker.draft(seq_ids, seqs, max_tokens, sampling, [torch.from_numpy(_writable(u)) for u in uniforms],
+                                   stop)
+        # Every field of Draft travels; the rows packed.
+        return [{**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)}, "probs": PackedRows.pack(d.probs)}
+                for d in drafts]
+
+    def release(self, seq_ids):
+        for s in seq_ids:
+            self.tokens.pop(s, None)
+        self.worker.release(seq_ids)
+
+    def close(self):
+        self.worker.close()
+
+
+# -- the proxy -----------------------------------------------------------------------------------
+
+class RayWorker(Worker):
+    """A :class:`Worker` whose calls run in a :class:`LevelActor`. Waits out restarts up to
+    ``call_timeout_s`` per call; a level that stays down raises :class:`WorkerError` naming it."""
+
+    def __init__(self, name: str, actor, info: dict[str, Any], call_timeout_s: float = 300.0):
+        self.name = name
+        self.actor = actor
+        self.info = info
+        self.vocab_size = int(info["vocab_size"])
+        self.context_length = info.get("context_length")
+        self.can_score = bool(info.get("can_score", True))
+        self.call_timeout_s = call_timeout_s
+        self.wire = WireStats()
+        self._sent: dict[str, list[int]] = {}  # what the actor was last sent, per sequence
+
+    # Worker interface ------------------------------------------------------------------------
+
+    def score(self, seq_ids, token_ids, num_positions) -> list[torch.Tensor]:
+        packed = self._call_seqs("score", seq_ids, token_ids, list(num_positions))
+        return self._unpack_rows(packed)
+
+    def score_probs(self, seq_ids, token_ids, num_positions, sampling: Sampling) -> list[torch.Tensor]:
+        packed = self._call_seqs("score_probs", seq_ids, token_ids, list(num_positions), sampling)
+        return self._unpack_rows(packed)
+
+    def draft(self, seq_ids, token_ids, max_tokens, sampling: Sampling, uniforms, stop: StopRule | None = None
+              ) -> list[Draft]:
+        arrays = [u.numpy() for u in uniforms]
+        self.wire.sent += sum(a.nbytes for a in arrays)
+        answers = self._call_seqs("draft", seq_ids, token_ids, list(max_tokens), sampling, arrays, stop)
+        drafts = []
+        for fields in answers:
+            self.wire.received += fields["probs"].nbytes + 8 * (len(fields["tokens"]) + 1)
+            drafts.append(Draft(**{**fields, "probs": fields["probs"].unpack()}))
+        return drafts
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        for s in seq_ids:
+            self._sent.pop(s, None)
+        try:  # fire and forget: a dead actor has nothing left to release
+            self.actor.release.remote(list(seq_ids))
+        except Exception:  # noqa: BLE001
+            pass
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    # internals --------------------------------------------------------------------------------
+
+    def _unpack_rows(self, packed: list[PackedRows]) -> list[torch.Tensor]:
+        self.wire.received += sum(p.nbytes for p in packed)
+        return [p.unpack() for p in packed]
+
+    def _call_seqs(self, method: str, seq_ids, token_ids, *args):
+        """Call ``method`` sending each sequence as (kept prefix length, new tokens); if the actor
+        does not hold the prefix (it restarted), send the whole sequences once more."""
+        seq_ids = list(seq_ids)
+        seqs = [list(t) for t in token_ids]
+        keeps = [_common_prefix(self._sent.get(s, []), t) for s, t in zip(seq_ids, seqs)]
+        for attempt in range(2):
+            suffixes = [np.asarray(t[k:], dtype=np.int32) for k, t in zip(keeps, seqs)]
+            self.wire.sent += sum(a.nbytes + 8 for a in suffixes) + 8 * len(seq_ids)
+            result = self._call(method, seq_ids, keeps, suffixes, *args)
+            if result is not None:
+                for s, t in zip(seq_ids, seqs):
+                    self._sent[s] = t
+                return result
+            self.wire.resyncs += 1
+            keeps = [0] * len(seqs)
+        raise WorkerError(f"level {self.name!r}: the actor lost the sequence twice in a row", level=self.name)
+
+    def _call(self, method: str, *args):
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        self.wire.calls += 1
+        ref = getattr(self.actor, method).remote(*args)
+        try:
+            return ray.get(ref, timeout=self.call_timeout_s)
+        except GetTimeoutError:
+            ray.cancel(ref)
+            raise WorkerError(
+                f"level {self.name!r}: no answer to {method} within {self.call_timeout_s:g} s "
+                "(actor down or restarting)", level=self.name) from None
+        except RayActorError as exc:
+            # Ray restarts the actor and re-runs the call itself while restarts are left; this
+            # is what remains when it gave up.
+            raise WorkerError(f"level {self.name!r}: actor died and was not restarted: "
+                              f"{type(exc).__name__}", level=self.name) from None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+# -- placement and lifecycle ---------------------------------------------------------------------
+
+def plan_bundles(levels: Sequence[LevelSpec]) -> tuple[list[dict[str, float]], list[int]]:
+    """Placement-group bundles for the levels, and each level's bundle index.
+
+    Levels asking for a fraction of a GPU share a bundle of one GPU while their fractions fit
+    (so that they share one device); every other level gets a bundle of its own.
+    """
+    bundles: list[dict[str, float]] = []
+    index: list[int] = []
+    shared: int | None = None  # the open bundle of fractional-GPU levels
+    used = 0.0
+    for level in levels:
+        r = level.resources
+        want = {"CPU": r.num_cpus, **r.custom}
+        if 0 < r.num_gpus < 1:
+            if shared is None or used + r.num_gpus > 1 + 1e-9:
+                bundles.append({"GPU": 1.0})
+                shared, used = len(bundles) - 1, 0.0
+            used += r.num_gpus
+            for k, v in want.items():
+                bundles[shared][k] = bundles[shared].get(k, 0.0) + v
+            index.append(shared)
+            continue
+        bundles.append({**want, **({"GPU": r.num_gpus} if r.num_gpus else {})})
+        index.append(len(bundles) - 1)
+    # Ray rejects zero-sized resources in a bundle; a level asking for nothing gets a sliver.
+    for b in bundles:
+        for k in [k for k, v in b.items() if v == 0]:
+            del b[k]
+        if not b:
+            b["CPU"] = 0.01
+    return bundles, index
+
+
+@dataclass
+class RayBackend:
+    """The actors of one :class:`~cascade.api.Cascade`, their placement group and, if cascade
+    started Ray itself, that runtime. :meth:`close` removes exactly what it created."""
+
+    workers: dict[str, RayWorker]
+    placement_group: Any
+    owns_runtime: bool
+    actors: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, topo: Topology, address: str | None = None, device: str | None = None) -> "RayBackend":
+        import ray
+
+        spec = topo.spec.ray
+        owns = _connect(address or spec.address, spec.namespace)
+        backend = cls({}, None, owns)
+        try:
+            backend._place(topo, device)
+        except BaseException:
+            backend.close()
+            raise
+        return backend
+
+    def _place(self, topo: Topology, device: str | None) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from cascade.api import check_vocab_sizes, level_model_path
+
+        spec = topo.spec.ray
+        levels = list(enumerate(topo.spec.levels))
+        bundles, bundle_of = plan_bundles([lv for _, lv in levels])
+        tag = uuid.uuid4().hex[:8]
+        self.placement_group = placement_group(bundles, strategy=spec.placement_strategy,
+                                               name=f"cascade-{tag}")
+        try:
+            ray.get(self.placement_group.ready(), timeout=spec.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TopologyError(
+                f"{topo.source}: levels[*].resources: the cluster cannot place {bundles} with "
+                f"{spec.placement_strategy} within {spec.placement_timeout_s:g} s "
+                f"(available: {ray.available_resources()})") from None
+        actor_cls = ray.remote(LevelActor)
+
+        def create(i: int, level: LevelSpec, vocab: int | None):
+            r = level.resources
+            build = LevelBuild(level, level_model_path(topo, level), i, topo.source, device, vocab)
+            return actor_cls.options(
+                name=f"cascade-{tag}-{level.name}",
+                num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=dict(r.custom) or None,
+                max_restarts=spec.max_restarts, max_task_retries=spec.max_restarts,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle_of[i]),
+            ).remote(build, max(1, int(r.num_cpus)))
+
+        # Model levels first (they load in parallel), then n-gram levels with the authority's vocabulary.
+        infos: dict[str, dict] = {}
+        for i, level in levels:
+            if level.kind != "ngram":
+                self.actors[level.name] = create(i, level, None)
+        self._collect(infos, spec.call_timeout_s)
+        vocab = infos[topo.authority]["vocab_size"]
+        for i, level in levels:
+            if level.kind == "ngram":
+                self.actors[level.name] = create(i, level, vocab)
+        self._collect(infos, spec.call_timeout_s)
+        check_vocab_sizes(topo, {name: info["vocab_size"] for name, info in infos.items()})
+        for name, info in infos.items():
+            log.info("level %s: actor pid %s, %s", name, info["pid"], info["device_note"])
+        self.workers = {name: RayWorker(name, self.actors[name], infos[name], spec.call_timeout_s)
+                        for name, _ in ((lv.name, lv) for _, lv in levels)}
+
+    def _collect(self, infos: dict[str, dict], timeout: float) -> None:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        pending = {name: a.info.remote() for name, a in self.actors.items() if name not in infos}
+        for name, ref in pending.items():
+            try:
+                infos[name] = ray.get(ref, timeout=timeout)
+            except RayTaskError as exc:  # the worker's constructor raised (e.g. a TopologyError)
+                cause = exc.cause if isinstance(exc.cause, Exception) else None
+                if isinstance(cause, TopologyError):
+                    raise cause from None
+                raise WorkerError(f"level {name!r}: actor failed to start: {exc}", level=name) from None
+            except RayActorError as exc:
+                raise WorkerError(f"level {name!r}: actor failed to start: {exc}", level=name) from None
+
+    def info(self) -> dict[str, dict[str, Any]]:
+        """Each level's actor as it reports itself now (pid, GPU ids, device and why)."""
+        import ray
+
+        return {name: ray.get(a.info.remote()) for name, a in self.actors.items()}
+
+    def wire_stats(self) -> WireStats:
+        total = WireStats()
+        for w in self.workers.values():
+            for f in dataclasses.fields(WireStats):
+                setattr(total, f.name, getattr(total, f.name) + getattr(w.wire, f.name))
+        return total
+
+    def close(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for actor in self.actors.values():
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.actors = {}
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001
+                pass
+            self.placement_group = None
+        if self.owns_runtime:
+            ray.shutdown()
+            self.owns_runtime = False
+
+
+def _connect(address: str | None, namespace: str | None) -> bool:
+    """Make sure this process is connected to Ray; True when cascade started (owns) the runtime.
+
+    A process already connected (the caller's own ``ray.init``) is used as it is.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address is None:
+        address = "auto" if os.environ.get("RAY_ADDRESS") else "local"
+    kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": True}
+    if address == "local":
+        # A private runtime on this machine, reachable on loopback only.
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+        return True
+    ray.init(address=address, **kwargs)
+    # Connected to a cluster someone else runs: disconnect on close, never shut it down. A
+    # disconnect is all ray.shutdown() does for a driver that joined an existing cluster.
+    return True
