@@ -60,6 +60,7 @@ class _StepRecord:
     edges: list[EdgeOutcome] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     passes: dict[str, int] = field(default_factory=dict)
+    confidence: list[float] = field(default_factory=list)  # the first level's own token probabilities
 
     def cost(self, level: str, seconds: float, passes: int) -> None:
         s = self.stats.level(level)
@@ -147,7 +148,9 @@ class Engine:
                         raise
                     continue  # redo the step without the level; nothing was committed
                 state.stats.steps += 1
-                policy.observe(StepFeedback(plan, tuple(record.edges), record.seconds, record.passes, len(new)))
+                confidence = sum(record.confidence) / len(record.confidence) if record.confidence else None
+                policy.observe(StepFeedback(plan, tuple(record.edges), record.seconds, record.passes, len(new),
+                                            confidence))
                 for i, tok in enumerate(new):
                     if tok in self.eos_token_ids:
                         new = new[: i + 1]
@@ -220,6 +223,9 @@ class Engine:
             t0 = time.perf_counter()
             draft = worker.draft([state.seq_id], [prefix], [budget], sampling, [uniforms], stop)[0]
             record.cost(level, time.perf_counter() - t0, draft.forward_passes)
+            if draft.confidence:
+                record.confidence.extend(draft.confidence)
+            record.stats.level(level).early_stops += draft.stopped_early
             return draft.tokens, draft.probs
 
         out: list[int] = []
@@ -259,9 +265,10 @@ class Engine:
                 if i == len(plan.path) - 1:
                     continue
                 if stop is not None and len(out) < budget:
-                    step = draft_step(len(out) - 1, level_probs[j], tok, block_prob)
+                    step = draft_step(len(out) - 1, logits[j], tok, block_prob)
                     block_prob = step.block_prob
                     if stop.should_stop(step):
+                        record.stats.level(level).early_stops += 1
                         return out, torch.stack(rows)
             if i == len(plan.path) - 1:
                 break  # the authority commits after one verification

@@ -9,6 +9,7 @@ class LevelStats:
     forward_passes: int = 0
     seconds: float = 0.0  # wall time spent in this level's worker calls, as the engine saw it
     tokens_proposed: int = 0  # tokens this level handed up to its verifier
+    early_stops: int = 0  # blocks this level ended early on the policy's stop rule
 
 
 @dataclass
@@ -75,6 +76,7 @@ class RequestStats:
             mine.forward_passes += s.forward_passes
             mine.seconds += s.seconds
             mine.tokens_proposed += s.tokens_proposed
+            mine.early_stops += s.early_stops
         for key, e in other.edges.items():
             mine = self.edges.setdefault(key, EdgeStats())
             mine.blocks += e.blocks

@@ -15,6 +15,11 @@ from policies.base import (
 
 REGISTRY: dict[str, str] = {
     "fixed": "policies.fixed:FixedPolicy",
+    "confidence": "policies.adaptive:ConfidencePolicy",
+    "entropy": "policies.adaptive:EntropyPolicy",
+    "cost-aware": "policies.adaptive:CostAwarePolicy",
+    "escalation": "policies.adaptive:EscalationPolicy",
+    "auto": "policies.adaptive:AutoPolicy",
 }
 
 
@@ -55,10 +60,17 @@ def parse_policy_spec(text: str) -> tuple[str, dict[str, Any]]:
     """
     import yaml
 
+    import re
+
     name, params_text = text, ""
-    head, sep, tail = text.rpartition(":")
-    if sep and "=" in tail:
-        name, params_text = head, tail
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += ch in "[{"
+        depth -= ch in "]}"
+        # the parameters start at the first top-level ':' followed by 'key='
+        if ch == ":" and depth == 0 and re.match(r"\s*[A-Za-z_][\w-]*\s*=", text[i + 1:]):
+            name, params_text = text[:i], text[i + 1:]
+            break
     params: dict[str, Any] = {}
     for item in _split_top_level(params_text):
         key, eq, value = item.partition("=")

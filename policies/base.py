@@ -16,23 +16,46 @@ import networkx as nx
 import torch
 
 
-@dataclass(frozen=True)
 class DraftStep:
-    """What a drafting level knows right after drafting the token at ``index`` of its block."""
+    """What a drafting level knows right after drafting the token at ``index`` of its block.
 
-    index: int  # 0-based position of this token in the block
-    token_prob: float  # the drafter's probability of the token it drew
-    max_prob: float  # the drafter's largest probability at this position
-    entropy: float  # entropy of the drafter's distribution at this position (nats)
-    block_prob: float  # product of token_prob over the block so far
+    Read from the model's own distribution (softmax of its logits at temperature 1), not from
+    the warped sampling row: a greedy drafter samples from a one-hot row, which says nothing
+    about how sure the model was. ``max_prob`` and ``entropy`` are computed on first use.
+    """
+
+    __slots__ = ("index", "token_prob", "block_prob", "_logits", "_max_prob", "_entropy")
+
+    def __init__(self, index: int, token_prob: float, block_prob: float, logits: torch.Tensor | None = None,
+                 max_prob: float | None = None, entropy: float | None = None):
+        self.index = index  # 0-based position of this token in the block
+        self.token_prob = token_prob  # the model's probability of the drafted token
+        self.block_prob = block_prob  # product of token_prob over the block so far
+        self._logits = logits  # [vocab]
+        self._max_prob = max_prob
+        self._entropy = entropy
+
+    @property
+    def max_prob(self) -> float:
+        """The model's largest probability at this position."""
+        if self._max_prob is None:
+            self._max_prob = float(torch.softmax(self._logits.to(torch.float64), -1).max())
+        return self._max_prob
+
+    @property
+    def entropy(self) -> float:
+        """Entropy of the model's distribution at this position (nats)."""
+        if self._entropy is None:
+            logp = torch.log_softmax(self._logits.to(torch.float64), -1)
+            self._entropy = float(-(logp.exp() * logp).nan_to_num().sum())
+        return self._entropy
 
 
-def draft_step(index: int, probs: torch.Tensor, token: int, prev_block_prob: float) -> DraftStep:
-    """Build the :class:`DraftStep` for one drafted token from its sampling row ``probs`` [vocab]."""
-    token_prob = float(probs[token])
-    positive = probs[probs > 0]
-    entropy = float(-(positive * positive.log()).sum())
-    return DraftStep(index, token_prob, float(probs.max()), entropy, prev_block_prob * token_prob)
+def draft_step(index: int, logits: torch.Tensor, token: int, prev_block_prob: float) -> DraftStep:
+    """The :class:`DraftStep` for a token drafted from ``logits`` [vocab]."""
+    logits = logits.to(torch.float64)
+    token_prob = float(torch.exp(logits[token] - torch.logsumexp(logits, -1)))
+    return DraftStep(index, token_prob, prev_block_prob * token_prob, logits)
 
 
 class StopRule(abc.ABC):
@@ -88,6 +111,7 @@ class StepFeedback:
     level_seconds: dict[str, float]
     level_passes: dict[str, int]
     committed: int
+    confidence: float | None = None  # mean probability the path's first level gave its drafts
 
 
 class PolicyError(ValueError):

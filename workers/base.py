@@ -27,6 +27,8 @@ class Draft:
     tokens: list[int]
     probs: torch.Tensor  # [len(tokens), vocab]: the distribution each token was sampled from
     forward_passes: int
+    confidence: list[float] | None = None  # the model's own (T=1) probability of each token
+    stopped_early: bool = False  # the stop rule ended the block before max_tokens
 
 
 class Worker(abc.ABC):
@@ -77,6 +79,8 @@ class Worker(abc.ABC):
         rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]
         block_prob = [1.0] * len(seq_ids)
         passes = [0] * len(seq_ids)
+        confidence: list[list[float]] = [[] for _ in seq_ids]
+        stopped = [False] * len(seq_ids)
         active = [b for b in range(len(seq_ids)) if max_tokens[b] > 0]
         while active:
             logits = self.score(
@@ -92,16 +96,18 @@ class Worker(abc.ABC):
                 drafted[b].append(token)
                 rows[b].append(probs)
                 passes[b] += 1
+                step = draft_step(j, row_logits[-1], token, block_prob[b])
+                block_prob[b] = step.block_prob
+                confidence[b].append(step.token_prob)
                 done = len(drafted[b]) >= max_tokens[b]
-                if stop is not None and not done:
-                    step = draft_step(j, probs, token, block_prob[b])
-                    block_prob[b] = step.block_prob
-                    done = stop.should_stop(step)
+                if not done and stop is not None and stop.should_stop(step):
+                    done = stopped[b] = True
                 if not done:
                     still.append(b)
             active = still
         return [
-            Draft(drafted[b], torch.stack(rows[b]) if rows[b] else torch.zeros(0, self.vocab_size), passes[b])
+            Draft(drafted[b], torch.stack(rows[b]) if rows[b] else torch.zeros(0, self.vocab_size), passes[b],
+                  confidence[b], stopped[b])
             for b in range(len(seq_ids))
         ]
 

@@ -56,5 +56,5 @@ class NGramWorker(Worker):
             probs = torch.zeros(len(proposal), self.vocab_size)
             if proposal:
                 probs[torch.arange(len(proposal)), torch.tensor(proposal)] = 1.0
-            out.append(Draft(proposal, probs, 0))
+            out.append(Draft(proposal, probs, 0, [1.0] * len(proposal)))
         return out

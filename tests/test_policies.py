@@ -1,0 +1,176 @@
+"""Each policy's decision rule on synthetic statistics, and its parameter checks."""
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+import torch
+
+from policies import PolicyError, make_policy, parse_policy_spec
+from policies.adaptive import (
+    AutoPolicy, ConfidencePolicy, CostAwarePolicy, EntropyPolicy, EscalationPolicy,
+)
+from policies.base import DraftStep, EdgeOutcome, PlanContext, StepFeedback, StepPlan, draft_step
+from policies.estimates import EdgeAcceptance, Estimates
+from policies.fixed import FixedPolicy
+from policies.stops import ConfidenceStop, EntropyStop
+
+CHAIN = nx.DiGraph([("tiny", "small"), ("small", "large")])
+DAG = nx.DiGraph([("tiny", "small"), ("small", "large"), ("tiny", "large")])
+
+
+def ctx(graph=CHAIN, available=None, remaining=100):
+    return PlanContext(graph, "large", remaining, 0, frozenset(available or graph.nodes))
+
+
+def bound(policy, graph=CHAIN):
+    policy.bind(graph, "large")
+    return policy
+
+
+def feedback(plan, edges, seconds, passes, confidence=None):
+    return StepFeedback(plan, tuple(EdgeOutcome(*e) for e in edges), seconds, passes, 1, confidence)
+
+
+def step(token_prob=0.9, block_prob=0.9, entropy=0.1, index=0):
+    return DraftStep(index, token_prob, block_prob, max_prob=max(token_prob, 0.5), entropy=entropy)
+
+
+def test_fixed_path_and_lookahead():
+    plan = bound(FixedPolicy({"tiny": 2, "small": 5})).plan(ctx())
+    assert plan.path == ("tiny", "small", "large") and plan.lookahead == {"tiny": 2, "small": 5}
+    # a level that is down drops out of the path
+    assert bound(FixedPolicy(3)).plan(ctx(available={"small", "large"})).path == ("small", "large")
+
+
+def test_fixed_rejects_bad_params():
+    with pytest.raises(PolicyError, match="lookahead"):
+        FixedPolicy(-1)
+    with pytest.raises(PolicyError, match="path"):
+        bound(FixedPolicy(3, path=["tiny", "large"]))  # not an edge of the chain
+
+
+def test_confidence_stop_rules():
+    assert ConfidenceStop(0.5).should_stop(step(token_prob=0.4))
+    assert not ConfidenceStop(0.5).should_stop(step(token_prob=0.6))
+    assert ConfidenceStop(0.5, "block").should_stop(step(token_prob=0.9, block_prob=0.45))
+    plan = bound(ConfidencePolicy(lookahead=6, threshold=0.3)).plan(ctx())
+    assert plan.lookahead == {"tiny": 6, "small": 6}
+    assert plan.stop["tiny"] == ConfidenceStop(0.3, "token")
+    with pytest.raises(PolicyError, match="threshold"):
+        ConfidencePolicy(threshold=1.5)
+    with pytest.raises(PolicyError, match="mode"):
+        ConfidencePolicy(mode="sometimes")
+
+
+def test_draft_step_reads_the_models_own_distribution():
+    logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
+    s = draft_step(0, logits, 1, prev_block_prob=0.5)
+    assert s.token_prob == pytest.approx(0.2) and s.max_prob == pytest.approx(0.7)
+    assert s.block_prob == pytest.approx(0.1)
+    assert s.entropy == pytest.approx(-(0.7 * torch.log(torch.tensor(0.7)) + 0.2 * torch.log(torch.tensor(0.2))
+                                        + 0.1 * torch.log(torch.tensor(0.1))).item(), rel=1e-5)
+
+
+def test_entropy_stop_and_online_threshold():
+    assert EntropyStop(0.5).should_stop(step(entropy=1.0))  # exp(-1) = 0.37 < 0.5
+    assert not EntropyStop(0.5).should_stop(step(entropy=0.5))  # exp(-0.5) = 0.61
+    policy = bound(EntropyPolicy(threshold=0.4, target=0.75, rate=0.1))
+    plan = policy.plan(ctx())
+    policy.observe(feedback(plan, [("tiny", "small", 4, 4)], {}, {}))  # all accepted: draft further
+    assert policy.threshold < 0.4
+    lowered = policy.threshold
+    policy.observe(feedback(plan, [("tiny", "small", 4, 0)], {}, {}))  # all rejected: stop sooner
+    assert policy.threshold > lowered
+
+
+def test_edge_acceptance_per_position():
+    acc = EdgeAcceptance(prior=0.5, prior_weight=0.0, decay=1.0)
+    acc.observe(proposed=4, accepted=2)  # positions 0, 1 accepted, 2 rejected, 3 never examined
+    acc.observe(proposed=4, accepted=4)
+    assert acc.seen == [2, 2, 2, 1] and acc.accepted == [2, 2, 1, 1]
+    assert acc.rate(2) == 0.5 and acc.rate(3) == 1.0 and acc.rate(10) == 1.0
+    assert acc.expected_tokens(0) == 1.0
+    assert acc.expected_tokens(3) == pytest.approx(1 + 1 + 1 + 0.5)
+
+
+def test_path_cost_follows_the_speedup_equation():
+    est = Estimates(prior=0.0)
+    est.costs = {}
+    for level, seconds in {"tiny": 0.001, "large": 0.010}.items():
+        est.costs.setdefault(level, __import__("policies.estimates", fromlist=["LevelCost"]).LevelCost()).observe(seconds, 1)
+    edge = est.edge("tiny", "large")
+    edge.prior, edge.prior_weight = 0.8, 1e9  # acceptance 0.8 at every position
+    per_token, lookahead = est.path_cost(("tiny", "large"), max_lookahead=8)
+    k = lookahead["tiny"]
+    expected = (1 - 0.8 ** (k + 1)) / (1 - 0.8)
+    assert per_token == pytest.approx((k * 0.001 + 0.010) / expected)
+    # the chosen k is the best over 1..8, and beats plain decoding (k = 0: 10 ms per token)
+    best = min((j * 0.001 + 0.010) / ((1 - 0.8 ** (j + 1)) / 0.2) for j in range(1, 9))
+    assert per_token == pytest.approx(best) and per_token < 0.010
+    # a draft that is never accepted does not pay: k = 0
+    edge.prior = 0.0
+    assert est.path_cost(("tiny", "large"), 8)[1]["tiny"] == 0
+
+
+def teach(policy, plan_path, edges, seconds, rounds=60, confidence=None):
+    plan = StepPlan(plan_path, {n: 4 for n in plan_path[:-1]})
+    for _ in range(rounds):
+        policy.observe(feedback(plan, edges, seconds, {k: 1 for k in seconds}, confidence))
+
+
+def test_cost_aware_lengthens_lookahead_when_acceptance_is_high():
+    seconds = {"tiny": 0.001, "small": 0.003, "large": 0.02}
+    high = bound(CostAwarePolicy(explore=0.0))
+    teach(high, ("tiny", "small", "large"), [("tiny", "small", 8, 8), ("small", "large", 8, 8)], seconds)
+    low = bound(CostAwarePolicy(explore=0.0))
+    teach(low, ("tiny", "small", "large"), [("tiny", "small", 8, 1), ("small", "large", 8, 1)], seconds)
+    hi_plan, lo_plan = high.plan(ctx()), low.plan(ctx())
+    assert hi_plan.lookahead["small"] == 8 and lo_plan.lookahead["small"] < 4
+
+
+def test_escalation_skips_a_level_that_does_not_pay():
+    policy = bound(EscalationPolicy(explore=0.0), DAG)
+    seconds = {"tiny": 0.001, "small": 0.008, "large": 0.010}
+    # small is nearly as slow as large and adds little acceptance: tiny -> large direct wins
+    teach(policy, ("tiny", "small", "large"), [("tiny", "small", 4, 2), ("small", "large", 4, 2)], seconds)
+    teach(policy, ("tiny", "large"), [("tiny", "large", 4, 3)], seconds)
+    assert policy.plan(ctx(DAG)).path == ("tiny", "large")
+
+
+def test_escalation_goes_through_the_middle_when_drafts_are_unsure():
+    policy = bound(EscalationPolicy(explore=0.0, confident=0.8), DAG)
+    seconds = {"tiny": 0.001, "small": 0.002, "large": 0.02}
+    # confident context: tiny is right about the large model; unsure: only small is
+    teach(policy, ("tiny", "large"), [("tiny", "large", 6, 6)], seconds, confidence=0.95)
+    teach(policy, ("tiny", "small", "large"), [("tiny", "small", 6, 6), ("small", "large", 6, 6)], seconds,
+          confidence=0.95)
+    policy.observe(feedback(StepPlan(("tiny", "large"), {"tiny": 4}), [("tiny", "large", 4, 0)], seconds,
+                            {k: 1 for k in seconds}, confidence=0.3))
+    teach(policy, ("tiny", "large"), [("tiny", "large", 6, 0)], seconds, confidence=0.3)
+    teach(policy, ("tiny", "small", "large"), [("tiny", "small", 6, 4), ("small", "large", 6, 6)], seconds,
+          confidence=0.3)
+    assert policy.plan(ctx(DAG)).path == ("tiny", "small", "large")  # last context: unsure
+    policy.observe(feedback(StepPlan(("tiny", "large"), {"tiny": 4}), [], seconds, {}, confidence=0.95))
+    assert policy.plan(ctx(DAG)).path == ("tiny", "large")
+
+
+def test_auto_adds_a_confidence_stop():
+    plan = bound(AutoPolicy(explore=0.0, stop_threshold=0.25)).plan(ctx())
+    assert all(rule == ConfidenceStop(0.25) for rule in plan.stop.values())
+    assert set(plan.stop) == set(plan.path[:-1])
+
+
+def test_registry_and_spec_parsing():
+    assert parse_policy_spec("fixed") == ("fixed", {})
+    assert parse_policy_spec("fixed:lookahead=3") == ("fixed", {"lookahead": 3})
+    assert parse_policy_spec("fixed:lookahead={tiny: 2, small: 4},path=[tiny, small, large]") == (
+        "fixed", {"lookahead": {"tiny": 2, "small": 4}, "path": ["tiny", "small", "large"]})
+    assert parse_policy_spec("policies.adaptive:ConfidencePolicy:threshold=0.3") == (
+        "policies.adaptive:ConfidencePolicy", {"threshold": 0.3})
+    for name in ("fixed", "confidence", "entropy", "cost-aware", "escalation", "auto"):
+        assert make_policy(name).name == name
+    assert isinstance(make_policy("policies.adaptive:ConfidencePolicy", {"threshold": 0.2}), ConfidencePolicy)
+    with pytest.raises(PolicyError, match="params"):
+        make_policy("fixed", {"nonsense": 1})
+    with pytest.raises(PolicyError, match="name: unknown policy"):
+        make_policy("nope")
