@@ -1,0 +1,294 @@
+"""Policy A/B experiments: two policies, the same prompts and seeds, interleaved in one run.
+
+``cascade ab --topology T --a POLICY[:k=v,...] --b POLICY[:k=v,...] --prompts FILE.jsonl``
+or, from Python, :func:`run_ab`. Reports the mean per-prompt tokens/s ratio B/A with a paired
+bootstrap 95% confidence interval and a paired sign-flip permutation p-value; writes JSON, a
+markdown summary and PNG plots. Under greedy decoding both policies must produce identical
+tokens: any difference is reported as an exactness failure.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cascade.commands import DEFAULT_TOPOLOGY, guarded
+
+
+@dataclass
+class Run:
+    arm: str  # "A" or "B"
+    prompt: int
+    repeat: int
+    tokens: int
+    seconds: float
+    authority_passes: int
+    edges: dict[str, dict[str, Any]]  # acceptance per edge, with by-position counts
+    token_ids: list[int]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class Summary:
+    a: str
+    b: str
+    prompts: int
+    repeats: int
+    mean_ratio: float  # mean over prompts of tokens/s(B) / tokens/s(A)
+    ci_low: float
+    ci_high: float
+    p_value: float
+    a_tokens_per_second: float
+    b_tokens_per_second: float
+    a_passes_per_token: float
+    b_passes_per_token: float
+    exactness_failures: list[dict[str, Any]] = field(default_factory=list)
+    per_prompt_ratio: list[float] = field(default_factory=list)
+
+
+def paired_bootstrap_ci(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the mean ratio, resampling prompts with replacement."""
+    rng = random.Random(seed)
+    n = len(ratios)
+    means = sorted(sum(ratios[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def sign_flip_p_value(ratios: list[float], resamples: int = 20_000, seed: int = 0) -> float:
+    """Two-sided paired permutation test of 'no difference' on log ratios (exact up to 2^16)."""
+    logs = [math.log(r) for r in ratios]
+    observed = abs(sum(logs))
+    n = len(logs)
+    if n <= 16:
+        hits = 0
+        for mask in range(2 ** n):
+            total = sum(-x if mask >> i & 1 else x for i, x in enumerate(logs))
+            hits += abs(total) >= observed - 1e-12
+        return hits / 2 ** n
+    rng = random.Random(seed)
+    hits = sum(abs(sum(x if rng.random() < 0.5 else -x for x in logs)) >= observed - 1e-12 for _ in range(resamples))
+    return (hits + 1) / (resamples + 1)
+
+
+def run_ab(
+    topology: str,
+    a: str,
+    b: str,
+    prompts: list[str],
+    max_new_tokens: int = 128,
+    repeats: int = 3,
+    out: str | Path | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    warmup: int = 2,
+    progress: bool = True,
+) -> tuple[Summary, list[Run]]:
+    """Run the experiment; write ``ab.json``, ``summary.md`` and plots to ``out`` if given."""
+    from tqdm import tqdm
+
+    from cascade.api import Cascade
+    from policies import make_policy, parse_policy_spec
+
+    arms = {"A": make_policy(*parse_policy_spec(a)), "B": make_policy(*parse_policy_spec(b))}
+    runs: list[Run] = []
+    with Cascade.from_topology(topology) as c:
+        for prompt in prompts[:warmup]:  # allocation, lazy init, and first estimates for adaptive arms
+            for policy in arms.values():
+                c.generate(prompt, max_new_tokens=min(32, max_new_tokens), temperature=temperature,
+                           seed=seed, policy=policy)
+        rng = random.Random(seed)
+        trials = [(r, i) for r in range(repeats) for i in range(len(prompts))]
+        rng.shuffle(trials)
+        for r, i in tqdm(trials, desc="A/B", unit="pair", disable=not progress, file=sys.stderr):
+            order = ["A", "B"] if rng.random() < 0.5 else ["B", "A"]
+            for arm in order:
+                g = c.generate(prompts[i], max_new_tokens=max_new_tokens, temperature=temperature,
+                               seed=seed + 1000 * r + i, policy=arms[arm])
+                s = g.stats
+                edges = {k: {"proposed": e.proposed, "accepted": e.accepted, "blocks": e.blocks,
+                             "proposed_by_position": e.proposed_by_position,
+                             "accepted_by_position": e.accepted_by_position} for k, e in s.edges.items()}
+                runs.append(Run(arm, i, r, s.new_tokens, s.wall_seconds, s.authority_passes, edges, g.token_ids))
+    summary = summarize(a, b, runs, len(prompts), repeats, greedy=temperature == 0)
+    if out is not None:
+        write_report(Path(out), summary, runs, dict(topology=topology, a=a, b=b, max_new_tokens=max_new_tokens,
+                                                    repeats=repeats, temperature=temperature, seed=seed,
+                                                    warmup=warmup, prompts=prompts))
+    return summary, runs
+
+
+def summarize(a: str, b: str, runs: list[Run], n_prompts: int, repeats: int, greedy: bool) -> Summary:
+    def arm_rate(arm: str, i: int) -> float:
+        rs = [x for x in runs if x.arm == arm and x.prompt == i]
+        return sum(x.tokens for x in rs) / sum(x.seconds for x in rs)
+
+    ratios = [arm_rate("B", i) / arm_rate("A", i) for i in range(n_prompts)]
+    lo, hi = paired_bootstrap_ci(ratios)
+    failures = []
+    if greedy:
+        by_key = {(x.arm, x.prompt, x.repeat): x.token_ids for x in runs}
+        for (arm, i, r), ids in by_key.items():
+            if arm == "A" and ids != by_key[("B", i, r)]:
+                failures.append({"prompt": i, "repeat": r})
+
+    def total(arm: str, attr: str) -> float:
+        return sum(getattr(x, attr) for x in runs if x.arm == arm)
+
+    return Summary(
+        a=a, b=b, prompts=n_prompts, repeats=repeats,
+        mean_ratio=sum(ratios) / len(ratios), ci_low=lo, ci_high=hi, p_value=sign_flip_p_value(ratios),
+        a_tokens_per_second=total("A", "tokens") / total("A", "seconds"),
+        b_tokens_per_second=total("B", "tokens") / total("B", "seconds"),
+        a_passes_per_token=total("A", "authority_passes") / total("A", "tokens"),
+        b_passes_per_token=total("B", "authority_passes") / total("B", "tokens"),
+        exactness_failures=failures, per_prompt_ratio=ratios,
+    )
+
+
+def _acceptance_by_position(runs: list[Run], arm: str) -> dict[str, list[float]]:
+    proposed: dict[str, list[int]] = {}
+    accepted: dict[str, list[int]] = {}
+    for x in runs:
+        if x.arm != arm:
+            continue
+        for key, e in x.edges.items():
+            for counts, src in ((proposed.setdefault(key, []), e["proposed_by_position"]),
+                                (accepted.setdefault(key, []), e["accepted_by_position"])):
+                counts.extend([0] * (len(src) - len(counts)))
+                for j, v in enumerate(src):
+                    counts[j] += v
+    return {k: [accepted[k][j] / p if j < len(accepted[k]) and p else 0.0 for j, p in enumerate(v)]
+            for k, v in proposed.items()}
+
+
+def _edge_rates(runs: list[Run], arm: str) -> dict[str, float]:
+    prop: dict[str, int] = {}
+    acc: dict[str, int] = {}
+    for x in runs:
+        if x.arm == arm:
+            for k, e in x.edges.items():
+                prop[k] = prop.get(k, 0) + e["proposed"]
+                acc[k] = acc.get(k, 0) + e["accepted"]
+    return {k: acc[k] / prop[k] if prop[k] else 0.0 for k in prop}
+
+
+def write_report(out: Path, summary: Summary, runs: list[Run], config: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"config": config, "summary": asdict(summary),
+               "acceptance_by_position": {arm: _acceptance_by_position(runs, arm) for arm in "AB"},
+               "runs": [asdict(x) | {"tokens_per_second": x.tokens_per_second} for x in runs]}
+    (out / "ab.json").write_text(json.dumps(payload, indent=1))
+    (out / "summary.md").write_text(markdown(summary, runs, config))
+    _plots(out, summary, runs)
+
+
+def markdown(s: Summary, runs: list[Run], config: dict[str, Any]) -> str:
+    verdict = ("B faster" if s.ci_low > 1 else "A faster" if s.ci_high < 1 else "no significant difference")
+    lines = [
+        f"# A/B: `{s.a}` (A) vs `{s.b}` (B)",
+        "",
+        f"Topology `{config['topology']}`, {s.prompts} prompts x {s.repeats} repeats, "
+        f"{config['max_new_tokens']} new tokens, temperature {config['temperature']}, seed {config['seed']}; "
+        "pairs run in randomised interleaved order after a warm-up.",
+        "",
+        "| | A | B |",
+        "|---|---:|---:|",
+        f"| tokens/s (all runs) | {s.a_tokens_per_second:.1f} | {s.b_tokens_per_second:.1f} |",
+        f"| authority passes per token | {s.a_passes_per_token:.3f} | {s.b_passes_per_token:.3f} |",
+    ]
+    rates = {arm: _edge_rates(runs, arm) for arm in "AB"}
+    for key in sorted(set(rates["A"]) | set(rates["B"])):
+        fa = f"{rates['A'][key]:.2f}" if key in rates["A"] else "—"
+        fb = f"{rates['B'][key]:.2f}" if key in rates["B"] else "—"
+        lines.append(f"| acceptance {key} | {fa} | {fb} |")
+    lines += [
+        "",
+        f"**Mean per-prompt speed ratio B/A: {s.mean_ratio:.3f}** "
+        f"(95% paired bootstrap CI {s.ci_low:.3f}–{s.ci_high:.3f}; sign-flip permutation p = {s.p_value:.4f}): "
+        f"{verdict}.",
+        "",
+    ]
+    if config["temperature"] == 0:
+        lines.append("Exactness: " + ("**FAILED** — outputs differ for " + json.dumps(s.exactness_failures)
+                                      if s.exactness_failures else "both policies produced identical tokens on every run."))
+    lines += ["", "Plots: `speedup.png` (per-prompt ratio), `acceptance.png` (acceptance by draft position per edge).", ""]
+    return "\n".join(lines)
+
+
+def _plots(out: Path, s: Summary, runs: list[Run]) -> None:
+    try:
+        import matplotlib
+    except ImportError:  # plots are optional: pip install "cascade-spec[plots]"
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.bar(range(len(s.per_prompt_ratio)), s.per_prompt_ratio, color="tab:blue")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(s.mean_ratio, color="tab:red", lw=1, label=f"mean {s.mean_ratio:.3f}")
+    ax.axhspan(s.ci_low, s.ci_high, color="tab:red", alpha=0.15, label="95% CI")
+    ax.set_xlabel("prompt")
+    ax.set_ylabel("tokens/s ratio B/A")
+    ax.set_title(f"B = {s.b}  vs  A = {s.a}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=100)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
+    for ax, arm, name in zip(axes, "AB", (s.a, s.b)):
+        for key, rates in sorted(_acceptance_by_position(runs, arm).items()):
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=key)
+        ax.set_title(f"{arm}: {name}")
+        ax.set_xlabel("draft position")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("acceptance (given the previous accepted)")
+    fig.tight_layout()
+    fig.savefig(out / "acceptance.png", dpi=100)
+    plt.close(fig)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("ab", help="compare two policies on the same prompts (A/B)",
+                       description="Run two policies on the same prompts and seeds, interleaved in random order "
+                                   "after a warm-up; report the tokens/s ratio B/A with a paired bootstrap 95%% CI "
+                                   "and a permutation p-value; write ab.json, summary.md and PNG plots to --out.")
+    p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY)
+    p.add_argument("--a", required=True, help="policy A: NAME[:key=value,...]")
+    p.add_argument("--b", required=True, help="policy B: NAME[:key=value,...]")
+    p.add_argument("--prompts", required=True, help="JSONL file, one object with a 'prompt' field per line")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2, help="prompts run once per arm before measuring")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_main)
+
+
+@guarded
+def _main(args) -> int:
+    from cascade.baselines import load_prompts
+
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    t0 = time.perf_counter()
+    s, _ = run_ab(args.topology, args.a, args.b, prompts, args.max_new_tokens, args.repeats, args.out,
+                  args.temperature, args.seed, args.warmup, progress=not args.no_progress)
+    print((Path(args.out) / "summary.md").read_text())
+    print(f"({time.perf_counter() - t0:.0f} s; report in {args.out})")
+    if s.exactness_failures:
+        print(f"EXACTNESS FAILURE: {len(s.exactness_failures)} run pair(s) differ", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,50 @@
+"""``cascade ab``: the statistics, and an end-to-end run on small real models."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cascade.ab import paired_bootstrap_ci, sign_flip_p_value
+from cascade.cli import main
+from conftest import family_topology, write_topology
+
+
+def test_bootstrap_ci_brackets_the_mean_and_narrows_with_agreement():
+    ratios = [1.2, 1.3, 1.1, 1.25, 1.15, 1.22, 1.18, 1.3]
+    lo, hi = paired_bootstrap_ci(ratios)
+    mean = sum(ratios) / len(ratios)
+    assert lo < mean < hi and lo > 1.1 and hi < 1.3
+    lo2, hi2 = paired_bootstrap_ci([1.2] * 8)
+    assert lo2 == hi2 == pytest.approx(1.2)
+
+
+def test_sign_flip_p_value():
+    # all 8 ratios above 1: only the all-plus and all-minus flips reach it -> 2 / 256
+    assert sign_flip_p_value([1.1, 1.2, 1.3, 1.15, 1.25, 1.05, 1.12, 1.18]) == pytest.approx(2 / 256)
+    assert sign_flip_p_value([1.1, 0.9, 1.05, 0.95]) > 0.5
+    big = [1.1 + 0.01 * (i % 5) for i in range(40)]  # sampled, not enumerated
+    assert sign_flip_p_value(big) < 0.001
+
+
+def test_ab_end_to_end(family, tmp_path, capsys):
+    topo = write_topology(tmp_path / "ab.yaml", family_topology(family, ["tiny", "small", "large"]))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):\n", "import os\n", "class A:\n"]))
+    out = tmp_path / "report"
+    code = main(["ab", "--topology", str(topo), "--a", "fixed:lookahead=2", "--b", "auto:explore=0.2",
+                 "--prompts", str(prompts), "--max-new-tokens", "12", "--repeats", "2", "--warmup", "1",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    assert "Mean per-prompt speed ratio B/A" in stdout and "identical tokens on every run" in stdout
+    data = json.loads((out / "ab.json").read_text())
+    s = data["summary"]
+    assert s["prompts"] == 3 and s["repeats"] == 2 and len(s["per_prompt_ratio"]) == 3
+    assert s["ci_low"] <= s["mean_ratio"] <= s["ci_high"] and 0 < s["p_value"] <= 1
+    assert s["exactness_failures"] == []
+    assert len(data["runs"]) == 2 * 3 * 2
+    assert {r["arm"] for r in data["runs"]} == {"A", "B"}
+    assert "tiny->small" in data["acceptance_by_position"]["A"]
+    for name in ("summary.md", "speedup.png", "acceptance.png"):
+        assert (out / name).stat().st_size > 0
