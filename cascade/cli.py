@@ -14,7 +14,9 @@ import sys
 _COMMAND_MODULES = (
     "cascade.commands",
     "cascade.demo",
+    "cascade.ab",
     "cascade.distill",
+    "cascade.run",
 )
 
 
