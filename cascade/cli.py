@@ -15,6 +15,7 @@ _COMMAND_MODULES = (
     "cascade.commands",
     "cascade.demo",
     "cascade.ab",
+    "cascade.tune",
     "cascade.distill",
     "cascade.run",
 )

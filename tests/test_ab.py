@@ -48,3 +48,17 @@ def test_ab_end_to_end(family, tmp_path, capsys):
     assert "tiny->small" in data["acceptance_by_position"]["A"]
     for name in ("summary.md", "speedup.png", "acceptance.png"):
         assert (out / name).stat().st_size > 0
+
+
+def test_tune_finds_a_lookahead(family, tmp_path, capsys):
+    topo = write_topology(tmp_path / "tune.yaml", family_topology(family, ["tiny", "large"]))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):\n", "import os\n"]))
+    out = tmp_path / "tune.json"
+    assert main(["tune", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "8",
+                 "--max-lookahead", "3", "--passes", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["lookahead"]) == {"tiny"} and 1 <= data["lookahead"]["tiny"] <= 3
+    assert len(data["trials"]) == 3  # the start and the two other values
+    assert data["tokens_per_second"] == max(t["tokens_per_second"] for t in data["trials"])
+    assert "policy spec: 'fixed:lookahead={tiny:" in capsys.readouterr().out
