@@ -248,7 +248,7 @@ class RayWorker(Worker):
         for s in seq_ids:
             self._sent.pop(s, None)
         try:  # fire and forget: a dead actor has nothing left to release
-            self.actor.release.remote(list(seq_ids))
+            self.actor.release.options(max_task_retries=0).remote(list(seq_ids))
         except Exception:  # noqa: BLE001
             pass
 

@@ -1,0 +1,235 @@
+"""The Ray backend against a real Ray runtime: one local head (loopback, 2 CPUs, 4 declared GPUs,
+dashboard on for the job API) shared by the whole module.
+
+- identical tokens to the in-process backend, greedy and seeded sampling, and what the wire carries;
+- a level's actor killed for real mid-generation: it restarts and the output does not change;
+- a draft level that stays down is skipped (and noted); the authority staying down is a
+  WorkerError carrying the committed prefix;
+- ``cascade run`` submitted as a Ray job;
+- GPU placement on a node declaring 4 GPUs, and the CPU fallback without CUDA.
+
+The tests that kill actors run in file order on one shared cascade (it saves starting five
+actors per test); each one is correct on its own too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("aiohttp")  # the dashboard (job API) needs ray[default]
+
+from cascade import Cascade  # noqa: E402
+from cascade.engine import Request  # noqa: E402
+from cascade.errors import WorkerError  # noqa: E402
+from cascade.sampling import Sampling  # noqa: E402
+from conftest import family_topology, write_topology  # noqa: E402
+
+LEVELS = ["tiny", "small", "medium", "large"]
+LOOKAHEAD = {"ngram": 3, "tiny": 3, "small": 5, "medium": 7}
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def push(self, x):"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_cli() -> str:
+    beside = Path(sys.executable).parent / "ray"
+    return str(beside) if beside.exists() else shutil.which("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    port, dashboard = _free_port(), _free_port()
+    # A throwaway cluster on loopback: no token authentication (the driver, the CLI and the job
+    # drivers all inherit this environment).
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    cmd = [_ray_cli(), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+           "--num-cpus", "2", "--num-gpus", "4", "--include-dashboard", "true",
+           "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--disable-usage-stats"]
+    try:
+        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=120)
+        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
+        yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}"}
+    finally:
+        ray.shutdown()
+        subprocess.run([_ray_cli(), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
+
+
+def topology(root: Path, family: Path, name: str, levels=LEVELS, ngram=False, cpus=0.2, gpus=None, **extra):
+    data = family_topology(family, levels, ngram=ngram, backend="ray",
+                           policy={"name": "fixed", "params": {"lookahead": {
+                               k: v for k, v in LOOKAHEAD.items() if k in levels or (ngram and k == "ngram")}}},
+                           **extra)
+    for level in data["levels"]:
+        level["resources"] = {"num_cpus": cpus, "num_gpus": (gpus or {}).get(level["name"], 0)}
+        if gpus and level.get("device"):
+            level["device"] = "auto"  # follow the GPUs Ray assigns
+    return write_topology(root / f"{name}.yaml", data)
+
+
+@pytest.fixture(scope="module")
+def topo_path(family, tmp_path_factory):
+    return topology(tmp_path_factory.mktemp("ray"), family, "five", ngram=True,
+                    ray={"max_restarts": 3, "call_timeout_s": 120})
+
+
+@pytest.fixture(scope="module")
+def local_cascade(topo_path):
+    with Cascade.from_topology(topo_path, backend="local") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ray_cascade(ray_cluster, topo_path):
+    with Cascade.from_topology(topo_path) as c:  # the file says backend: ray
+        yield c
+
+
+def wire_reset(c: Cascade):
+    for w in c.workers.values():
+        w.wire = type(w.wire)()
+
+
+def test_identical_tokens_and_wire_cost(ray_cascade, local_cascade):
+    assert type(ray_cascade.workers["large"]).__name__ == "RayWorker"
+    vocab = ray_cascade.workers["large"].vocab_size
+    wire_reset(ray_cascade)
+    greedy = ray_cascade.generate(PROMPTS, max_new_tokens=24, temperature=0.0)
+    assert [g.token_ids for g in greedy] == [
+        g.token_ids for g in local_cascade.generate(PROMPTS, max_new_tokens=24, temperature=0.0)]
+    assert all(len(g.token_ids) == 24 for g in greedy)
+    wire = ray_cascade.backend.wire_stats()
+    tokens = sum(len(g.token_ids) for g in greedy)
+    # Greedy rows travel as one (index, value) pair: far less than one dense float64 row per
+    # committed token, although every level scores several rows per committed token.
+    assert wire.received / tokens < vocab * 8 / 4
+    assert wire.resyncs == 0
+
+    kwargs = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=5)
+    sampled = ray_cascade.generate(PROMPTS, **kwargs)
+    assert [g.token_ids for g in sampled] == [g.token_ids for g in local_cascade.generate(PROMPTS, **kwargs)]
+    assert sampled[0].token_ids != greedy[0].token_ids
+    # the drafts took part over Ray as in-process
+    assert all(e.proposed > 0 for e in sampled[0].stats.edges.values() if not e.proposed == 0) and \
+        sampled[0].stats.edges["medium->large"].proposed > 0
+
+
+def test_killed_actors_restart_and_output_is_unchanged(ray_cascade, local_cascade):
+    expected = local_cascade.generate(PROMPTS[0], max_new_tokens=32, temperature=0.0).token_ids
+    engine = ray_cascade.engine
+    ids = ray_cascade.tokenizer.encode(PROMPTS[0])
+    before = ray_cascade.backend.info()
+    state = engine.start(Request(ids, 32, Sampling(temperature=0.0)))
+    for step, _ in enumerate(engine.run(state)):
+        if step == 0:  # killed from outside; Ray restarts it
+            ray.kill(ray_cascade.backend.actors["small"], no_restart=False)
+        if step == 2:  # the authority's process exits by itself (only the original process)
+            ray_cascade.backend.actors["large"].__ray_call__.remote(
+                lambda self, pid: os._exit(1) if os.getpid() == pid else None, before["large"]["pid"])
+    assert state.generated == expected
+    assert state.stats.notes == []
+    after = ray_cascade.backend.info()
+    assert after["small"]["pid"] != before["small"]["pid"]
+    assert after["large"]["pid"] != before["large"]["pid"]
+    assert after["medium"]["pid"] == before["medium"]["pid"]
+    # the restarted actors asked for the whole sequence once and rebuilt their caches from it
+    assert ray_cascade.workers["small"].wire.resyncs >= 1 and ray_cascade.workers["large"].wire.resyncs >= 1
+
+
+def test_draft_level_down_is_skipped(ray_cascade, local_cascade):
+    ray.kill(ray_cascade.backend.actors["tiny"], no_restart=True)
+    g = ray_cascade.generate(PROMPTS[1], max_new_tokens=24, temperature=0.0)
+    assert g.token_ids == local_cascade.generate(PROMPTS[1], max_new_tokens=24, temperature=0.0).token_ids
+    assert any("'tiny'" in n and "continuing without it" in n for n in g.stats.notes)
+    assert "tiny->small" not in g.stats.edges or g.stats.edges["tiny->small"].blocks == 0
+    assert g.stats.edges["small->medium"].proposed > 0  # the rest of the hierarchy still drafts
+
+
+def test_authority_down_raises_with_committed_text(ray_cascade, local_cascade):
+    expected = local_cascade.generate(PROMPTS[0], max_new_tokens=32, temperature=0.0).token_ids
+    engine = ray_cascade.engine
+    state = engine.start(Request(ray_cascade.tokenizer.encode(PROMPTS[0]), 32, Sampling(temperature=0.0)))
+    with pytest.raises(WorkerError) as info:
+        for step, _ in enumerate(engine.run(state)):
+            if step == 1:
+                ray.kill(ray_cascade.backend.actors["large"], no_restart=True)
+    assert info.value.level == "large" and "not restarted" in str(info.value)
+    assert 0 < len(info.value.partial) < 32 and info.value.partial == expected[: len(info.value.partial)]
+    # through the API the partial result is a Generation (text included)
+    with pytest.raises(WorkerError) as info:
+        ray_cascade.generate(PROMPTS[0], max_new_tokens=8, temperature=0.0)
+    assert info.value.partial.finish_reason == "error" and info.value.partial.text == ""
+
+
+def test_cascade_run_as_a_ray_job(ray_cluster, family, tmp_path, local_cascade):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    topology(workdir, family, "t", levels=["small", "large"], cpus=0.1)
+    (workdir / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "out" / "results.jsonl"
+    client = JobSubmissionClient(ray_cluster["dashboard"])
+    job = client.submit_job(
+        entrypoint=f"cascade run --topology t.yaml --prompts in.jsonl --output {out} "
+                   "--max-new-tokens 12 --temperature 0",
+        runtime_env={"working_dir": str(workdir)},
+    )
+    deadline = time.monotonic() + 240
+    while not (status := client.get_job_status(job)).is_terminal() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert status == JobStatus.SUCCEEDED, client.get_job_logs(job)[-3000:]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["prompt"] for x in lines] == PROMPTS
+    # greedy output is the authority's, whatever the hierarchy and wherever it runs
+    assert [x["token_ids"] for x in lines] == [
+        g.token_ids for g in local_cascade.generate(PROMPTS, max_new_tokens=12, temperature=0.0)]
+    assert all(x["stats"]["new_tokens"] == 12 and x["finish_reason"] == "length" for x in lines)
+
+
+def test_gpu_placement_and_cpu_fallback(ray_cluster, family, tmp_path, local_cascade):
+    from ray.util import placement_group_table
+    from ray.util.state import list_actors
+
+    path = topology(tmp_path, family, "gpus", cpus=0.1,
+                    gpus={"tiny": 0.5, "small": 0.5, "medium": 1, "large": 2},
+                    ray={"placement_strategy": "PACK"})
+    with Cascade.from_topology(path) as c:
+        info = c.backend.info()
+        pg_id = c.backend.placement_group.id.hex()
+        names = [f"{a._ray_actor_id.hex()}" for a in c.backend.actors.values()]
+        g = c.generate(PROMPTS[0], max_new_tokens=8, temperature=0.0)
+    ids = {name: info[name]["gpu_ids"] for name in LEVELS}
+    assert len(ids["tiny"]) == len(ids["small"]) == len(ids["medium"]) == 1 and len(ids["large"]) == 2
+    assert ids["tiny"] == ids["small"]  # the two halves share one GPU
+    assert len({*ids["tiny"], *ids["medium"], *ids["large"]}) == 4  # the rest are all distinct
+    for name in LEVELS:
+        assert info[name]["cuda_visible_devices"] == ",".join(ids[name])
+        assert info[name]["device"] == "cpu" and "CUDA is not available" in info[name]["device_note"]
+    assert g.token_ids == local_cascade.generate(PROMPTS[0], max_new_tokens=8, temperature=0.0).token_ids
+    # close() left nothing behind
+    assert placement_group_table()[pg_id]["state"] == "REMOVED"
+    deadline = time.monotonic() + 30
+    while (alive := [a.actor_id for a in list_actors(filters=[("state", "=", "ALIVE")])
+                     if a.actor_id in names]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert alive == []
