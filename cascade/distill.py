@@ -59,6 +59,8 @@ def add_parser(sub) -> None:
     mode = p.add_argument_group("what to train")
     mode.add_argument("--family", metavar="DIR", help="rebuild the whole family (tokenizer, large from "
                       "scratch, then medium/small/tiny distilled from large) into DIR/{tiny,small,medium,large}")
+    mode.add_argument("--level-size", action="append", default=[], metavar="LEVEL=SIZE",
+                      help="--family: override a level's shape, e.g. large=16x256x4x640 (SIZE as for --size)")
     mode.add_argument("--teacher", metavar="DIR|none", help="teacher model directory (HF causal LM), "
                       "or 'none' to train from scratch with cross-entropy")
     mode.add_argument("--size", action="append", metavar="SIZE",
@@ -109,6 +111,9 @@ def add_parser(sub) -> None:
     run_g.add_argument("--checkpoint-minutes", type=float, default=3.0)
     run_g.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
                        help="also checkpoint every STEPS steps")
+    run_g.add_argument("--stop-after", type=int, default=None, metavar="STEPS",
+                       help="checkpoint and exit after STEPS steps in this session (chunked training on "
+                       "preemptible machines; re-run the same command to continue)")
     rs = run_g.add_mutually_exclusive_group()
     rs.add_argument("--resume", action="store_true",
                     help="resume from the checkpoint in --work-dir (the default when one exists; "
@@ -248,6 +253,7 @@ def train_students(
     checkpoint_minutes: float = 3.0,
     checkpoint_every: int | None = None,
     time_budget_minutes: float | None = None,
+    stop_after: int | None = None,
     resume: str = "auto",
     progress: bool = True,
     desc: str = "train",
@@ -292,16 +298,13 @@ def train_students(
             opts[name].load_state_dict(state["students"][name]["optim"])
         start, history = state["step"], state.get("history", history)
         elapsed_before = state.get("elapsed", 0.0)
-        if state.get("finished"):
-            steps = start
         log(f"{desc}: resumed from {ckpt_path} at step {start}/{steps}", work_dir)
     elif resume == "require":
         raise SystemExit(f"cascade distill: --resume given but no checkpoint at {ckpt_path}")
 
-    def save(step, finished=False):
+    def save(step):
         _atomic_save({
             "step": step,
-            "finished": finished,
             "total_steps": steps,
             "students": {n: {"model": m.state_dict(), "optim": opts[n].state_dict()} for n, m in students.items()},
             "history": history,
@@ -321,6 +324,12 @@ def train_students(
         if budget_s is not None and elapsed >= budget_s:
             log(f"{desc}: time budget of {time_budget_minutes} min reached at step {step}/{steps}", work_dir)
             break
+        if stop_after is not None and step - start >= stop_after:
+            log(f"{desc}: stopping after {stop_after} steps this session (at step {step}/{steps}); "
+                "re-run to resume", work_dir)
+            save(step)
+            return {"steps": step, "history": history, "interrupted": True,
+                    "train_seconds": elapsed_before + time.time() - t_start}
         progress = None
         if budget_s is not None:
             progress = max((step - warmup) / max(1, steps - warmup), elapsed / budget_s)
@@ -370,10 +379,10 @@ def train_students(
             last_ckpt = time.time()
     bar.close()
     if done > start or not ckpt_path.exists():
-        save(done, finished=True)
+        save(done)
     for model in students.values():
         model.eval()
-    return {"steps": done, "history": history,
+    return {"steps": done, "history": history, "interrupted": False,
             "train_seconds": elapsed_before + time.time() - t_start}
 
 
@@ -465,9 +474,11 @@ def run_single(args) -> int:
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, kl_weight=args.kl_weight,
         temperature=args.temperature, device=device, amp=use_amp(args.amp, device), checkpoint_minutes=args.checkpoint_minutes,
         checkpoint_every=args.checkpoint_every, time_budget_minutes=args.max_minutes,
-        resume=_resume_mode(args), progress=not args.no_progress,
+        stop_after=args.stop_after, resume=_resume_mode(args), progress=not args.no_progress,
         desc="distill" if teacher is not None else "train", work_dir=work_dir,
     )
+    if summary["interrupted"]:
+        return 0
     windows = _eval_windows(args, tokenizer, work_dir)
     for (name, model), out, size in zip(students.items(), outs, sizes):
         extra = {"size": size, "steps": summary["steps"], "seq_len": args.seq_len, "batch_size": args.batch_size,
@@ -494,10 +505,18 @@ def run_family(args) -> int:
     from cascade.corpus import WindowSampler, collect_files, load_tokenizer, read_texts, train_tokenizer
     from cascade.family import count_params, make_model, save_model
 
+    from cascade.family import parse_size
+
     device = _setup_torch(args)
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     family_dir = Path(args.family)
+    sizes = {lv: dict(SIZES[lv]) for lv in LEVELS}
+    for item in args.level_size:
+        lv, _, spec = item.partition("=")
+        if lv not in sizes or not spec:
+            raise SystemExit(f"cascade distill: bad --level-size {item!r} (levels: {list(LEVELS)})")
+        sizes[lv] = parse_size(spec)
     resume = _resume_mode(args)
     log(f"family build -> {family_dir} (work dir {work_dir}, device {device}, "
         f"bf16 autocast {use_amp(args.amp, device)})", work_dir)
@@ -515,7 +534,7 @@ def run_family(args) -> int:
 
     def extra_for(level, summary, lr, teacher):
         steps = summary["steps"]
-        return {"level": level, "size": SIZES[level], "steps": steps, "seq_len": args.seq_len,
+        return {"level": level, "size": sizes[level], "steps": steps, "seq_len": args.seq_len,
                 "batch_size": args.batch_size, "train_tokens": steps * args.batch_size * args.seq_len,
                 "train_seconds": round(summary["train_seconds"], 1), "lr": lr, "seed": args.seed,
                 "teacher": teacher, "kl_weight": None if teacher is None else args.kl_weight,
@@ -530,7 +549,7 @@ def run_family(args) -> int:
         log("large: already trained, loading", work_dir)
         large = AutoModelForCausalLM.from_pretrained(large_done, dtype=torch.float32)
     else:
-        large = make_model(SIZES["large"], tokenizer, seed=args.seed + 4, max_positions=max(1024, args.seq_len))
+        large = make_model(sizes["large"], tokenizer, seed=args.seed + 4, max_positions=max(1024, args.seq_len))
         log(f"large: {count_params(large):,} params, {args.teacher_steps} steps from scratch", work_dir)
         sampler = WindowSampler(data, args.seq_len, args.batch_size, seed=args.seed)
         lr = args.lr or 1.5e-3
@@ -539,7 +558,10 @@ def run_family(args) -> int:
             lr=lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
             grad_clip=args.grad_clip, device=device, amp=use_amp(args.amp, device), checkpoint_minutes=args.checkpoint_minutes,
             checkpoint_every=args.checkpoint_every, time_budget_minutes=args.teacher_minutes,
-            resume=resume, progress=not args.no_progress, desc="large", work_dir=work_dir)
+            stop_after=args.stop_after, resume=resume, progress=not args.no_progress, desc="large",
+            work_dir=work_dir)
+        if summary["interrupted"]:
+            return 0
         extra = extra_for("large", summary, lr, None)
         if windows is not None:
             extra["eval_loss"] = eval_loss(large, windows)
@@ -557,7 +579,7 @@ def run_family(args) -> int:
     todo = [lv for lv in levels if args.restart or not (family_dir / lv / "config.json").exists()
             or not (work_dir / "students" / "done").exists()]
     if todo:
-        students = {lv: make_model(SIZES[lv], tokenizer, seed=args.seed + 1 + i, max_positions=max(1024, args.seq_len))
+        students = {lv: make_model(sizes[lv], tokenizer, seed=args.seed + 1 + i, max_positions=max(1024, args.seq_len))
                     for i, lv in enumerate(levels)}
         for lv, m in students.items():
             log(f"{lv}: {count_params(m):,} params, distilled from large for {args.student_steps} steps", work_dir)
@@ -569,8 +591,10 @@ def run_family(args) -> int:
             grad_clip=args.grad_clip, kl_weight=args.kl_weight, temperature=args.temperature, device=device,
             amp=use_amp(args.amp, device),
             checkpoint_minutes=args.checkpoint_minutes, checkpoint_every=args.checkpoint_every,
-            time_budget_minutes=args.student_minutes, resume=resume, progress=not args.no_progress,
-            desc="students", work_dir=work_dir)
+            time_budget_minutes=args.student_minutes, stop_after=args.stop_after, resume=resume,
+            progress=not args.no_progress, desc="students", work_dir=work_dir)
+        if summary["interrupted"]:
+            return 0
         for lv, m in students.items():
             extra = extra_for(lv, summary, lr, "large")
             if windows is not None:

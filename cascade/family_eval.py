@@ -1,0 +1,319 @@
+"""``cascade model-card``: measure a model family (the numbers in ``examples/models/README.md``).
+
+For a directory holding ``tiny/ small/ medium/ large/`` (or any ``--levels``) it measures, in one
+run and side by side:
+
+* size: parameters, MiB of weights on disk, layers/width, training tokens and time
+  (from each model's ``training.json``);
+* held-out loss and perplexity (nats/token, float32) on evenly spaced 256-token windows of the
+  held-out code (:mod:`cascade.heldout`: networkx + attrs, never seen in training);
+* per-token decode cost: batch 1, float32, KV cache, 64 decode steps after a 32-token prefill,
+  models interleaved round-robin so that background load hits all of them alike; the median
+  over rounds is reported, with its ratio to the first (smallest) level;
+* acceptance matrix on the held-out prompts: for each prompt the verifier generates N=64 tokens
+  greedily; the drafter is teacher-forced on the same sequence; greedy acceptance is the
+  fraction of generated positions where the drafter's argmax equals the verifier's; at
+  temperature T it is the mean over positions of ``sum_v min(p_draft(v), p_verifier(v))`` with
+  both softmaxed at T (the expected speculative-sampling acceptance rate).
+
+Usage::
+
+    cascade model-card examples/models --json examples/models/metrics.json \\
+        --markdown examples/models/measurements.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_LEVELS = ("tiny", "small", "medium", "large")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "model-card",
+        help="measure a model family: sizes, held-out loss, decode cost, acceptance matrix",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("family", nargs="?", default="examples/models", help="directory with one sub-directory per level")
+    p.add_argument("--levels", nargs="+", default=list(DEFAULT_LEVELS), help="levels, smallest first")
+    p.add_argument("--prompts", default="examples/prompts/heldout.jsonl", help="held-out prompts (JSONL, 'prompt' field)")
+    p.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt by the verifier")
+    p.add_argument("--temperature", type=float, default=0.8, help="temperature for the sampled acceptance")
+    p.add_argument("--loss-windows", type=int, default=64, help="256-token held-out windows for the loss")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--decode-rounds", type=int, default=7, help="round-robin timing rounds")
+    p.add_argument("--decode-steps", type=int, default=64, help="decode steps per timing round")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--skip", nargs="*", default=[], choices=["loss", "decode", "acceptance"], help="parts to skip")
+    p.add_argument("--json", dest="json_out", default=None, help="write all measurements as JSON here")
+    p.add_argument("--markdown", default=None, help="write the markdown tables here")
+    p.set_defaults(func=run)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_family(family: str | Path, levels, dtype=None):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    family = Path(family)
+    models, meta = {}, {}
+    for lv in levels:
+        d = family / lv
+        models[lv] = AutoModelForCausalLM.from_pretrained(d, dtype=dtype or torch.float32).eval()
+        info = {}
+        if (d / "training.json").exists():
+            info = json.loads((d / "training.json").read_text())
+        weights = sum(f.stat().st_size for f in d.glob("*.safetensors"))
+        cfg = models[lv].config
+        info.update({
+            "params": sum(p.numel() for p in models[lv].parameters()),
+            "weights_mib": weights / 2**20,
+            "layers": cfg.num_hidden_layers,
+            "hidden": cfg.hidden_size,
+            "heads": cfg.num_attention_heads,
+            "intermediate": cfg.intermediate_size,
+        })
+        meta[lv] = info
+    tokenizer = AutoTokenizer.from_pretrained(family / levels[-1])
+    return models, tokenizer, meta
+
+
+# --------------------------------------------------------------------------- held-out loss
+
+
+def spread_windows(data, seq_len: int, n: int):
+    """``n`` windows of ``seq_len + 1`` tokens spread evenly over ``data`` (non-overlapping if possible)."""
+    import torch
+
+    span = seq_len + 1
+    last = data.numel() - span
+    if last < 0:
+        raise ValueError("held-out text too short")
+    count = max(1, min(n, last // span + 1))
+    starts = [round(i * last / max(1, count - 1)) for i in range(count)] if count > 1 else [0]
+    return torch.stack([data[s : s + span] for s in starts]).long()
+
+
+def heldout_windows(tokenizer, seq_len: int = 256, n: int = 64, text: str | None = None):
+    import torch
+
+    from cascade.heldout import heldout_text
+
+    text = heldout_text() if text is None else text
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return spread_windows(torch.tensor(ids, dtype=torch.long), seq_len, n)
+
+
+def heldout_losses(models: dict, windows) -> dict:
+    from cascade.distill import eval_loss
+
+    return {lv: eval_loss(m, windows) for lv, m in models.items()}
+
+
+# --------------------------------------------------------------------------- decode cost
+
+
+def _cache_kwarg() -> str:
+    """Name of the KV-cache argument of ``forward`` (``cache`` in transformers >= 5.2x, else
+    ``past_key_values``)."""
+    import inspect
+
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def _out_cache(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def decode_costs(models: dict, vocab: int, rounds: int = 7, steps: int = 64, prefill: int = 32, seed: int = 0) -> dict:
+    """Median ms per one-token decode step (batch 1, KV cache), models interleaved per round."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (1, prefill), generator=g)
+    times = {lv: [] for lv in models}
+    kw = _cache_kwarg()
+
+    def one(model):
+        with torch.inference_mode():
+            out = model(input_ids=prompt, use_cache=True)
+            cache = _out_cache(out)
+            tok = out.logits[:, -1:].argmax(-1)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = model(input_ids=tok, use_cache=True, **{kw: cache})
+                cache = _out_cache(out)
+                tok = out.logits[:, -1:].argmax(-1)
+            return (time.perf_counter() - t0) / steps * 1000
+
+    for m in models.values():  # warm-up
+        one(m)
+    for _ in range(rounds):
+        for lv, m in models.items():
+            times[lv].append(one(m))
+    return {lv: statistics.median(ts) for lv, ts in times.items()}
+
+
+# --------------------------------------------------------------------------- acceptance
+
+
+def greedy_continuations(model, tokenizer, prompts, new_tokens: int = 64):
+    """For each prompt: (prompt_ids, generated_ids) with greedy decoding by ``model``."""
+    import torch
+
+    out = []
+    eos = tokenizer.eos_token_id
+    with torch.inference_mode():
+        for text in prompts:
+            ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            out.append((ids[0], gen[0, ids.size(1):]))
+    return out
+
+
+def position_logits(model, prompt_ids, gen_ids):
+    """Logits (float32) predicting each generated token, teacher-forced: shape [len(gen), V]."""
+    import torch
+
+    seq = torch.cat([prompt_ids, gen_ids]).unsqueeze(0)
+    with torch.inference_mode():
+        logits = model(input_ids=seq[:, :-1]).logits[0].float()
+    p = prompt_ids.numel()
+    return logits[p - 1 : p - 1 + gen_ids.numel()]
+
+
+def acceptance_stats(draft_logits, verify_logits, temperature: float) -> tuple[float, float, int]:
+    """(greedy matches, sum over positions of sum_v min(p_d, p_v) at T, positions)."""
+    import torch
+
+    greedy = (draft_logits.argmax(-1) == verify_logits.argmax(-1)).sum().item()
+    pd = torch.softmax(draft_logits / temperature, -1)
+    pv = torch.softmax(verify_logits / temperature, -1)
+    sampled = torch.minimum(pd, pv).sum(-1).sum().item()
+    return greedy, sampled, draft_logits.size(0)
+
+
+def acceptance_matrix(models: dict, tokenizer, prompts, new_tokens: int = 64, temperature: float = 0.8):
+    """{"greedy": {drafter: {verifier: rate}}, "sampled": ..., "positions": {verifier: n}}."""
+    levels = list(models)
+    greedy = {d: {} for d in levels}
+    sampled = {d: {} for d in levels}
+    positions = {}
+    for v in levels:
+        conts = greedy_continuations(models[v], tokenizer, prompts, new_tokens)
+        conts = [(p, g) for p, g in conts if g.numel() > 0]
+        v_logits = [position_logits(models[v], p, g) for p, g in conts]
+        positions[v] = sum(x.size(0) for x in v_logits)
+        for d in levels:
+            tot_g = tot_s = n = 0
+            for (p, g), vl in zip(conts, v_logits):
+                dl = vl if d == v else position_logits(models[d], p, g)
+                a, b, c = acceptance_stats(dl, vl, temperature)
+                tot_g, tot_s, n = tot_g + a, tot_s + b, n + c
+            greedy[d][v] = tot_g / max(1, n)
+            sampled[d][v] = tot_s / max(1, n)
+    return {"greedy": greedy, "sampled": sampled, "positions": positions, "temperature": temperature,
+            "new_tokens": new_tokens, "prompts": len(prompts)}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def markdown(results: dict) -> str:
+    levels = results["levels"]
+    meta = results["meta"]
+    lines = ["### Sizes and training", "",
+             "| level | layers x width (heads, FFN) | params | weights (MiB) | training tokens | training time | teacher |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for lv in levels:
+        m = meta[lv]
+        tt = m.get("train_tokens")
+        ts = m.get("train_seconds")
+        lines.append(f"| {lv} | {m['layers']} x {m['hidden']} ({m['heads']}, {m['intermediate']}) | {m['params']:,} "
+                     f"| {m['weights_mib']:.2f} | {f'{tt / 1e6:.2f} M' if tt else '?'} "
+                     f"| {f'{ts / 60:.1f} min' if ts else '?'} | {m.get('teacher') or 'none (cross-entropy)'} |")
+    total = sum(meta[lv]["weights_mib"] for lv in levels)
+    lines += ["", f"All weights together: {total:.2f} MiB.", ""]
+    if "loss" in results:
+        lines += ["### Held-out loss", "", "| level | loss (nats/token) | perplexity |", "|---|---:|---:|"]
+        for lv in levels:
+            loss = results["loss"][lv]
+            lines.append(f"| {lv} | {loss:.4f} | {math.exp(loss):.2f} |")
+        lines += ["", f"({results['loss_tokens']:,} tokens: {results['loss_windows']} windows of {results['seq_len']} "
+                  "held-out tokens, float32.)", ""]
+    if "decode_ms" in results:
+        base = results["decode_ms"][levels[0]]
+        lines += ["### Per-token decode cost (batch 1, KV cache, float32)", "",
+                  f"| level | ms/token | ratio to {levels[0]} | ratio to level below |", "|---|---:|---:|---:|"]
+        prev = None
+        for lv in levels:
+            ms = results["decode_ms"][lv]
+            below = f"{ms / results['decode_ms'][prev]:.2f}x" if prev else "-"
+            lines.append(f"| {lv} | {ms:.2f} | {ms / base:.2f}x | {below} |")
+            prev = lv
+        lines.append("")
+    if "acceptance" in results:
+        acc = results["acceptance"]
+        for key, title in (("greedy", "greedy (argmax agreement)"),
+                           ("sampled", f"at T={acc['temperature']} (expected speculative-sampling acceptance)")):
+            lines += [f"### Acceptance, {title}", "",
+                      "rows: drafter, columns: verifier; " f"{acc['prompts']} held-out prompts x {acc['new_tokens']} "
+                      "verifier-generated tokens", "",
+                      "| drafter \\ verifier | " + " | ".join(levels) + " |", "|---|" + "---:|" * len(levels)]
+            for d in levels:
+                lines.append(f"| {d} | " + " | ".join(f"{acc[key][d][v]:.3f}" for v in levels) + " |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    import torch
+
+    from cascade.heldout import load_prompts
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    models, tokenizer, meta = load_family(args.family, args.levels)
+    results = {"family": str(args.family), "levels": list(args.levels), "meta": meta,
+               "torch_threads": args.threads, "seq_len": args.seq_len,
+               "command": "cascade model-card " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else None}
+    if "loss" not in args.skip:
+        windows = heldout_windows(tokenizer, args.seq_len, args.loss_windows)
+        results["loss"] = heldout_losses(models, windows)
+        results["loss_windows"] = windows.size(0)
+        results["loss_tokens"] = windows.size(0) * args.seq_len
+        print("held-out loss:", {k: round(v, 4) for k, v in results["loss"].items()}, flush=True)
+    if "decode" not in args.skip:
+        results["decode_ms"] = decode_costs(models, len(tokenizer), args.decode_rounds, args.decode_steps)
+        print("decode ms/token:", {k: round(v, 3) for k, v in results["decode_ms"].items()}, flush=True)
+    if "acceptance" not in args.skip:
+        prompts = load_prompts(args.prompts)[: args.max_prompts]
+        results["acceptance"] = acceptance_matrix(models, tokenizer, prompts, args.new_tokens, args.temperature)
+    md = markdown(results)
+    print(md)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="cascade")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args()
+    sys.exit(ns.func(ns))
