@@ -114,7 +114,7 @@ def run_ab(
                                seed=seed + 1000 * r + i, policy=arms[arm])
                 s = g.stats
                 edges = {k: {"proposed": e.proposed, "accepted": e.accepted, "blocks": e.blocks,
-                             "proposed_by_position": e.proposed_by_position,
+                             "examined_by_position": e.examined_by_position,
                              "accepted_by_position": e.accepted_by_position} for k, e in s.edges.items()}
                 runs.append(Run(arm, i, r, s.new_tokens, s.wall_seconds, s.authority_passes, edges, g.token_ids))
     summary = summarize(a, b, runs, len(prompts), repeats, greedy=temperature == 0)
@@ -154,19 +154,20 @@ def summarize(a: str, b: str, runs: list[Run], n_prompts: int, repeats: int, gre
 
 
 def _acceptance_by_position(runs: list[Run], arm: str) -> dict[str, list[float]]:
-    proposed: dict[str, list[int]] = {}
+    """Per edge, [j]: acceptance at draft position j given the positions before it accepted."""
+    examined: dict[str, list[int]] = {}
     accepted: dict[str, list[int]] = {}
     for x in runs:
         if x.arm != arm:
             continue
         for key, e in x.edges.items():
-            for counts, src in ((proposed.setdefault(key, []), e["proposed_by_position"]),
+            for counts, src in ((examined.setdefault(key, []), e["examined_by_position"]),
                                 (accepted.setdefault(key, []), e["accepted_by_position"])):
                 counts.extend([0] * (len(src) - len(counts)))
                 for j, v in enumerate(src):
                     counts[j] += v
-    return {k: [accepted[k][j] / p if j < len(accepted[k]) and p else 0.0 for j, p in enumerate(v)]
-            for k, v in proposed.items()}
+    return {k: [accepted[k][j] / n if j < len(accepted[k]) and n else 0.0 for j, n in enumerate(v)]
+            for k, v in examined.items()}
 
 
 def _edge_rates(runs: list[Run], arm: str) -> dict[str, float]:

@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "cascade.demo",
     "cascade.ab",
     "cascade.tune",
+    "cascade.bench",
     "cascade.distill",
     "cascade.run",
 )

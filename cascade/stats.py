@@ -18,11 +18,28 @@ class EdgeStats:
     proposed: int = 0
     accepted: int = 0
     proposed_by_position: list[int] = field(default_factory=list)  # [j]: blocks with a token at j
+    examined_by_position: list[int] = field(default_factory=list)  # [j]: of those, with 0..j-1 accepted
     accepted_by_position: list[int] = field(default_factory=list)  # [j]: of those, accepted
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
+
+    def merge(self, other: "EdgeStats") -> "EdgeStats":
+        self.blocks += other.blocks
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        for mine, theirs in ((self.proposed_by_position, other.proposed_by_position),
+                             (self.examined_by_position, other.examined_by_position),
+                             (self.accepted_by_position, other.accepted_by_position)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for j, c in enumerate(theirs):
+                mine[j] += c
+        return self
+
+    def conditional_acceptance(self) -> list[float]:
+        """[j]: P(position j accepted | positions before j accepted), as measured."""
+        return [a / e if e else 0.0 for a, e in zip(self.accepted_by_position, self.examined_by_position)]
 
     @property
     def mean_accepted_block(self) -> float:
@@ -33,7 +50,9 @@ class EdgeStats:
         self.blocks += 1
         self.proposed += proposed
         self.accepted += accepted
-        for counts, upto in ((self.proposed_by_position, proposed), (self.accepted_by_position, accepted)):
+        examined = min(proposed, accepted + 1)
+        for counts, upto in ((self.proposed_by_position, proposed), (self.examined_by_position, examined),
+                             (self.accepted_by_position, accepted)):
             if len(counts) < upto:
                 counts.extend([0] * (upto - len(counts)))
             for j in range(upto):
@@ -78,15 +97,7 @@ class RequestStats:
             mine.tokens_proposed += s.tokens_proposed
             mine.early_stops += s.early_stops
         for key, e in other.edges.items():
-            mine = self.edges.setdefault(key, EdgeStats())
-            mine.blocks += e.blocks
-            mine.proposed += e.proposed
-            mine.accepted += e.accepted
-            for mine_counts, theirs in ((mine.proposed_by_position, e.proposed_by_position),
-                                        (mine.accepted_by_position, e.accepted_by_position)):
-                mine_counts.extend([0] * (len(theirs) - len(mine_counts)))
-                for j, c in enumerate(theirs):
-                    mine_counts[j] += c
+            self.edges.setdefault(key, EdgeStats()).merge(e)
         self.prompt_tokens += other.prompt_tokens
         self.new_tokens += other.new_tokens
         self.steps += other.steps

@@ -41,7 +41,8 @@ class EdgeAcceptance:
         if not self.seen:
             return self.prior
         j = min(j, len(self.seen) - 1)
-        return (self.accepted[j] + self.prior * self.prior_weight) / (self.seen[j] + self.prior_weight)
+        weight = self.seen[j] + self.prior_weight
+        return (self.accepted[j] + self.prior * self.prior_weight) / weight if weight else self.prior
 
     def expected_tokens(self, k: int) -> float:
         """Expected tokens one round emits with a block of k: accepted prefix + 1."""

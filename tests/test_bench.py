@@ -1,0 +1,39 @@
+"""``cascade bench`` end to end on small real models: files, fields, identical outputs."""
+from __future__ import annotations
+
+import json
+
+from cascade.cli import main
+from conftest import family_topology, write_topology
+
+
+def test_bench_end_to_end(family, tmp_path, capsys):
+    topo = write_topology(tmp_path / "b.yaml", family_topology(
+        family, ["tiny", "small", "large"], policy={"name": "fixed", "params": {"lookahead": {"tiny": 2, "small": 4}}}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):\n", "import os\n", "class A:\n"]))
+    out = tmp_path / "bench"
+    code = main(["bench", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "16",
+                 "--only", "hf-assisted:tiny", "--only", "cascade:tiny->large", "--only", "cascade:3level:fixed",
+                 "--out", str(out), "--no-progress"])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    data = json.loads((out / "bench.json").read_text())
+    names = [r["name"] for r in data["reports"]]
+    assert names == ["plain", "hf-assisted:tiny", "cascade:tiny->large", "cascade:3level:fixed"]
+    by_name = {r["name"]: r for r in data["reports"]}
+    assert by_name["plain"]["speedup_median"] == 1.0
+    assert by_name["plain"]["authority_passes_per_token"] >= 1.0 - 1e-9  # one pass per token (+ prefill)
+    for r in data["reports"]:
+        assert r["mismatches"] == [], r["name"]
+        lo, hi = r["tokens_per_second_ci"]
+        assert lo <= r["tokens_per_second_median"] <= hi
+    full = by_name["cascade:3level:fixed"]
+    assert set(full["acceptance"]) == {"tiny->small", "small->large"}
+    assert full["predicted_speedup"] > 0 and full["measured_over_predicted"] > 0
+    assert set(full["level_seconds_per_token"]) == {"tiny", "small", "large"}
+    assert full["orchestration_seconds_per_token"] >= 0
+    assert len(data["samples"]) == 4 * 3
+    for name in ("bench.md", "speedup.png", "acceptance.png", "time_breakdown.png"):
+        assert (out / name).stat().st_size > 0
+    assert "| cascade:3level:fixed |" in stdout
