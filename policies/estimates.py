@@ -111,8 +111,11 @@ class Estimates:
             acc = self.edge(below, level)
             own = self.cost(level) or default_cost
             best_k, best = 0, own  # k = 0: the level samples a token itself, one pass per token
+            expected, survive = 1.0, 1.0  # expected_tokens(k), built up incrementally
             for k in range(1, max_lookahead + 1):
-                per = (k * per_token + own) / acc.expected_tokens(k)
+                survive *= acc.rate(k - 1)
+                expected += survive
+                per = (k * per_token + own) / expected
                 if per < best:
                     best_k, best = k, per
             lookahead[below] = best_k
