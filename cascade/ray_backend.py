@@ -29,7 +29,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from cascade.errors import TopologyError, WorkerError
@@ -43,48 +42,63 @@ log = logging.getLogger(__name__)
 
 # -- wire format ---------------------------------------------------------------------------------
 
-@dataclass
-class PackedRows:
-    """A ``[n, vocab]`` tensor for the wire: dense, or its nonzero entries when that is smaller.
+# Plain tuples of bytes pickle several times faster than dataclasses of arrays (or pydantic
+# objects): measured here, that is a third of a call's round trip on a small CPU machine.
+Packed = tuple  # ("dense", n, vocab, dtype, data) | ("sparse", n, vocab, dtype, rows, cols, values)
 
-    Lossless either way: ``unpack()`` returns a tensor equal to the original, dtype included.
-    """
-
-    shape: tuple[int, int]
-    dtype: str
-    dense: np.ndarray | None = None  # [n, vocab]
-    rows: np.ndarray | None = None  # [nnz] int32: row of each nonzero entry
-    cols: np.ndarray | None = None  # [nnz] int32: its column (token id)
-    values: np.ndarray | None = None  # [nnz]: its value
-
-    @classmethod
-    def pack(cls, t: torch.Tensor) -> "PackedRows":  # t: [n, vocab]
-        t = t.detach().cpu()
-        dtype = str(t.dtype).removeprefix("torch.")
-        nnz = int(torch.count_nonzero(t))
-        itemsize = t.element_size()
-        if nnz * (8 + itemsize) >= t.numel() * itemsize:
-            return cls(tuple(t.shape), dtype, dense=t.numpy())
-        rows, cols = t.nonzero(as_tuple=True)
-        return cls(tuple(t.shape), dtype, rows=rows.to(torch.int32).numpy(),
-                   cols=cols.to(torch.int32).numpy(), values=t[rows, cols].numpy())
-
-    def unpack(self) -> torch.Tensor:  # [n, vocab]
-        if self.dense is not None:
-            return torch.from_numpy(_writable(self.dense))
-        out = torch.zeros(self.shape, dtype=getattr(torch, self.dtype))
-        out[torch.from_numpy(_writable(self.rows)).long(), torch.from_numpy(_writable(self.cols)).long()] = \
-            torch.from_numpy(_writable(self.values))
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.dense, self.rows, self.cols, self.values) if a is not None)
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+           "bfloat16": torch.bfloat16}
 
 
-def _writable(a: np.ndarray) -> np.ndarray:
-    """Arrays from Ray's object store are read-only views; torch wants to own writable memory."""
-    return a if a.flags.writeable else a.copy()
+def pack_rows(t: torch.Tensor) -> Packed:  # t: [n, vocab]
+    """A ``[n, vocab]`` tensor for the wire: its raw bytes, or only its nonzero entries (row,
+    column, value) when that is smaller; a greedy row is one entry. Lossless (see unpack_rows)."""
+    t = t.detach().cpu().contiguous()
+    n, vocab = t.shape
+    dtype = str(t.dtype).removeprefix("torch.")
+    itemsize = t.element_size()
+    if dtype == "bfloat16":  # numpy has no bfloat16: ship the raw 16-bit words
+        return ("dense", n, vocab, dtype, t.view(torch.int16).numpy().tobytes())
+    nnz = int(torch.count_nonzero(t))
+    if nnz * (8 + itemsize) >= t.numel() * itemsize:
+        return ("dense", n, vocab, dtype, _bytes(t))
+    rows, cols = t.nonzero(as_tuple=True)
+    return ("sparse", n, vocab, dtype, _bytes(rows.to(torch.int32)), _bytes(cols.to(torch.int32)),
+            _bytes(t[rows, cols]))
+
+
+def unpack_rows(packed: Packed) -> torch.Tensor:  # [n, vocab], equal to the packed tensor
+    kind, n, vocab, dtype = packed[:4]
+    dt = _DTYPES[dtype]
+    if kind == "dense":
+        if not packed[4]:
+            return torch.zeros(n, vocab, dtype=dt)
+        return _tensor(packed[4], dt).reshape(n, vocab)
+    out = torch.zeros(n, vocab, dtype=dt)
+    if packed[4]:
+        out[_tensor(packed[4], torch.int32).long(), _tensor(packed[5], torch.int32).long()] = _tensor(packed[6], dt)
+    return out
+
+
+def packed_nbytes(packed: Packed) -> int:
+    return sum(len(x) for x in packed[4:]) + 16
+
+
+def dense_nbytes(packed: Packed) -> int:
+    return packed[1] * packed[2] * _DTYPES[packed[3]].itemsize
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().numpy().tobytes()
+
+
+def _tensor(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    # bytes are immutable; torch wants writable memory it can own
+    return torch.frombuffer(bytearray(data), dtype=dtype)
+
+
+def _sampling_tuple(sampling: Sampling) -> tuple[float, int, float]:
+    return (sampling.temperature, sampling.top_k, sampling.top_p)
 
 
 @dataclass
@@ -95,6 +109,7 @@ class WireStats:
     sent: int = 0
     received: int = 0
     resyncs: int = 0  # calls repeated with the whole sequence (a restarted actor)
+    rows_dense: int = 0  # what the rows received would have taken as dense tensors
 
     @property
     def total(self) -> int:
@@ -146,6 +161,7 @@ class LevelActor:
         self.worker = build_worker(build.level, build.model_path, build.index, build.source, build.device,
                                    build.vocab_size)
         self.tokens: dict[str, list[int]] = {}  # the last sequence sent for each seq_id
+        self._samplings: dict[tuple, Sampling] = {}
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -170,32 +186,40 @@ class LevelActor:
             known = self.tokens.get(seq, [])
             if keep > len(known):
                 return None  # this actor restarted (or never saw the sequence)
-            tokens = known[:keep] + suffix.tolist()
+            tokens = known[:keep] + suffix
             self.tokens[seq] = tokens
             out.append(tokens)
         return out
+
+    def _sampling(self, params: tuple) -> Sampling:
+        found = self._samplings.get(params)
+        if found is None:
+            t, k, p = params
+            found = self._samplings[params] = Sampling(temperature=t, top_k=k, top_p=p)
+        return found
 
     def score(self, seq_ids, keeps, suffixes, num_positions):
         seqs = self._sequences(seq_ids, keeps, suffixes)
         if seqs is None:
             return None
-        return [PackedRows.pack(r) for r in self.worker.score(seq_ids, seqs, num_positions)]
+        return [pack_rows(r) for r in self.worker.score(seq_ids, seqs, num_positions)]
 
-    def score_probs(self, seq_ids, keeps, suffixes, num_positions, sampling: Sampling):
+    def score_probs(self, seq_ids, keeps, suffixes, num_positions, sampling: tuple):
         seqs = self._sequences(seq_ids, keeps, suffixes)
         if seqs is None:
             return None
-        return [PackedRows.pack(r) for r in self.worker.score_probs(seq_ids, seqs, num_positions, sampling)]
+        rows = self.worker.score_probs(seq_ids, seqs, num_positions, self._sampling(sampling))
+        return [pack_rows(r) for r in rows]
 
-    def draft(self, seq_ids, keeps, suffixes, max_tokens, sampling: Sampling, uniforms, stop: StopRule | None):
+    def draft(self, seq_ids, keeps, suffixes, max_tokens, sampling: tuple, uniforms, stop: StopRule | None):
         seqs = self._sequences(seq_ids, keeps, suffixes)
         if seqs is None:
             return None
-        drafts = self.worker.draft(seq_ids, seqs, max_tokens, sampling, [torch.from_numpy(_writable(u)) for u in uniforms],
-                                   stop)
-        # Every field of Draft travels; the rows packed.
-        return [{**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)}, "probs": PackedRows.pack(d.probs)}
-                for d in drafts]
+        uniforms = [_tensor(u, torch.float64) for u in uniforms]
+        drafts = self.worker.draft(seq_ids, seqs, max_tokens, self._sampling(sampling), uniforms, stop)
+        # (tokens, packed rows, forward passes, any further fields of Draft by name)
+        return [(d.tokens, pack_rows(d.probs), d.forward_passes,
+                 {f.name: getattr(d, f.name) for f in dataclasses.fields(d)[3:]}) for d in drafts]
 
     def release(self, seq_ids):
         for s in seq_ids:
@@ -230,18 +254,20 @@ class RayWorker(Worker):
         return self._unpack_rows(packed)
 
     def score_probs(self, seq_ids, token_ids, num_positions, sampling: Sampling) -> list[torch.Tensor]:
-        packed = self._call_seqs("score_probs", seq_ids, token_ids, list(num_positions), sampling)
+        packed = self._call_seqs("score_probs", seq_ids, token_ids, list(num_positions), _sampling_tuple(sampling))
         return self._unpack_rows(packed)
 
     def draft(self, seq_ids, token_ids, max_tokens, sampling: Sampling, uniforms, stop: StopRule | None = None
               ) -> list[Draft]:
-        arrays = [u.numpy() for u in uniforms]
-        self.wire.sent += sum(a.nbytes for a in arrays)
-        answers = self._call_seqs("draft", seq_ids, token_ids, list(max_tokens), sampling, arrays, stop)
+        raw = [_bytes(u.to(torch.float64)) for u in uniforms]
+        self.wire.sent += sum(len(u) for u in raw)
+        answers = self._call_seqs("draft", seq_ids, token_ids, list(max_tokens), _sampling_tuple(sampling), raw,
+                                  stop)
         drafts = []
-        for fields in answers:
-            self.wire.received += fields["probs"].nbytes + 8 * (len(fields["tokens"]) + 1)
-            drafts.append(Draft(**{**fields, "probs": fields["probs"].unpack()}))
+        for tokens, packed, passes, more in answers:
+            self.wire.received += packed_nbytes(packed) + 8 * (len(tokens) + 1 + len(more))
+            self.wire.rows_dense += dense_nbytes(packed)
+            drafts.append(Draft(tokens, unpack_rows(packed), passes, **more))
         return drafts
 
     def release(self, seq_ids: Sequence[str]) -> None:
@@ -262,9 +288,10 @@ class RayWorker(Worker):
 
     # internals --------------------------------------------------------------------------------
 
-    def _unpack_rows(self, packed: list[PackedRows]) -> list[torch.Tensor]:
-        self.wire.received += sum(p.nbytes for p in packed)
-        return [p.unpack() for p in packed]
+    def _unpack_rows(self, packed: list[Packed]) -> list[torch.Tensor]:
+        self.wire.received += sum(packed_nbytes(p) for p in packed)
+        self.wire.rows_dense += sum(dense_nbytes(p) for p in packed)
+        return [unpack_rows(p) for p in packed]
 
     def _call_seqs(self, method: str, seq_ids, token_ids, *args):
         """Call ``method`` sending each sequence as (kept prefix length, new tokens); if the actor
@@ -273,8 +300,8 @@ class RayWorker(Worker):
         seqs = [list(t) for t in token_ids]
         keeps = [_common_prefix(self._sent.get(s, []), t) for s, t in zip(seq_ids, seqs)]
         for attempt in range(2):
-            suffixes = [np.asarray(t[k:], dtype=np.int32) for k, t in zip(keeps, seqs)]
-            self.wire.sent += sum(a.nbytes + 8 for a in suffixes) + 8 * len(seq_ids)
+            suffixes = [t[k:] for k, t in zip(keeps, seqs)]  # a few small ints: a list pickles fastest
+            self.wire.sent += sum(4 * len(a) + 8 for a in suffixes) + 8 * len(seq_ids) + 24
             result = self._call(method, seq_ids, keeps, suffixes, *args)
             if result is not None:
                 for s, t in zip(seq_ids, seqs):
@@ -354,7 +381,7 @@ class RayBackend:
     """The actors of one :class:`~cascade.api.Cascade`, their placement group and, if cascade
     started Ray itself, that runtime. :meth:`close` removes exactly what it created."""
 
-    workers: dict[str, RayWorker]
+    workers: dict[str, Worker]  # RayWorker for every level, n-gram levels aside (ray.ngram_in_driver)
     placement_group: Any
     owns_runtime: bool
     actors: dict[str, Any] = field(default_factory=dict)
@@ -378,11 +405,14 @@ class RayBackend:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from cascade.api import check_vocab_sizes, level_model_path
+        from cascade.api import build_worker, check_vocab_sizes, level_model_path
 
         spec = topo.spec.ray
-        levels = list(enumerate(topo.spec.levels))
+        everything = list(enumerate(topo.spec.levels))
+        in_driver = {lv.name for _, lv in everything if lv.kind == "ngram" and spec.ngram_in_driver}
+        levels = [(i, lv) for i, lv in everything if lv.name not in in_driver]
         bundles, bundle_of = plan_bundles([lv for _, lv in levels])
+        bundle_of = {i: b for (i, _), b in zip(levels, bundle_of)}
         tag = uuid.uuid4().hex[:8]
         self.placement_group = placement_group(bundles, strategy=spec.placement_strategy,
                                                name=f"cascade-{tag}")
@@ -416,11 +446,14 @@ class RayBackend:
             if level.kind == "ngram":
                 self.actors[level.name] = create(i, level, vocab)
         self._collect(infos, spec.call_timeout_s)
-        check_vocab_sizes(topo, {name: info["vocab_size"] for name, info in infos.items()})
+        workers: dict[str, Worker] = {
+            lv.name: build_worker(lv, None, i, topo.source, None, vocab) for i, lv in everything if lv.name in in_driver}
+        check_vocab_sizes(topo, {**{name: info["vocab_size"] for name, info in infos.items()},
+                                 **{name: w.vocab_size for name, w in workers.items()}})
         for name, info in infos.items():
             log.info("level %s: actor pid %s, %s", name, info["pid"], info["device_note"])
-        self.workers = {name: RayWorker(name, self.actors[name], infos[name], spec.call_timeout_s)
-                        for name, _ in ((lv.name, lv) for _, lv in levels)}
+            workers[name] = RayWorker(name, self.actors[name], info, spec.call_timeout_s)
+        self.workers = {lv.name: workers[lv.name] for _, lv in everything}  # in topology order
 
     def _collect(self, infos: dict[str, dict], timeout: float) -> None:
         import ray
@@ -447,6 +480,8 @@ class RayBackend:
     def wire_stats(self) -> WireStats:
         total = WireStats()
         for w in self.workers.values():
+            if not isinstance(w, RayWorker):
+                continue
             for f in dataclasses.fields(WireStats):
                 setattr(total, f.name, getattr(total, f.name) + getattr(w.wire, f.name))
         return total

@@ -89,7 +89,7 @@ def topology(root: Path, family: Path, name: str, levels=LEVELS, ngram=False, cp
 @pytest.fixture(scope="module")
 def topo_path(family, tmp_path_factory):
     return topology(tmp_path_factory.mktemp("ray"), family, "five", ngram=True,
-                    ray={"max_restarts": 3, "call_timeout_s": 120})
+                    ray={"max_restarts": 3, "call_timeout_s": 120, "ngram_in_driver": False})
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +106,12 @@ def ray_cascade(ray_cluster, topo_path):
 
 def wire_reset(c: Cascade):
     for w in c.workers.values():
-        w.wire = type(w.wire)()
+        if hasattr(w, "wire"):
+            w.wire = type(w.wire)()
 
 
 def test_identical_tokens_and_wire_cost(ray_cascade, local_cascade):
-    assert type(ray_cascade.workers["large"]).__name__ == "RayWorker"
+    assert {type(w).__name__ for w in ray_cascade.workers.values()} == {"RayWorker"}  # ngram too, here
     vocab = ray_cascade.workers["large"].vocab_size
     wire_reset(ray_cascade)
     greedy = ray_cascade.generate(PROMPTS, max_new_tokens=24, temperature=0.0)
@@ -119,9 +120,10 @@ def test_identical_tokens_and_wire_cost(ray_cascade, local_cascade):
     assert all(len(g.token_ids) == 24 for g in greedy)
     wire = ray_cascade.backend.wire_stats()
     tokens = sum(len(g.token_ids) for g in greedy)
-    # Greedy rows travel as one (index, value) pair: far less than one dense float64 row per
-    # committed token, although every level scores several rows per committed token.
-    assert wire.received / tokens < vocab * 8 / 4
+    # Greedy rows travel as one (index, value) pair, not vocab floats: what came back is a
+    # small fraction of the dense rows, and less than one dense row per committed token.
+    assert wire.received < wire.rows_dense / 20
+    assert wire.received / tokens < vocab * 8
     assert wire.resyncs == 0
 
     kwargs = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=5)
@@ -185,7 +187,7 @@ def test_cascade_run_as_a_ray_job(ray_cluster, family, tmp_path, local_cascade):
 
     workdir = tmp_path / "job"
     workdir.mkdir()
-    topology(workdir, family, "t", levels=["small", "large"], cpus=0.1)
+    topology(workdir, family, "t", levels=["small", "large"], ngram=True, cpus=0.1)  # ngram in the driver
     (workdir / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out" / "results.jsonl"
     client = JobSubmissionClient(ray_cluster["dashboard"])
