@@ -8,7 +8,7 @@ from typing import Any, Iterator, Sequence
 
 from pydantic import ValidationError
 
-from cascade.engine import Engine, Request, RequestState
+from cascade.engine import Batch, Engine, Request, RequestState
 from cascade.errors import RequestError, TopologyError, WorkerError
 from cascade.sampling import Sampling
 from cascade.stats import RequestStats
@@ -176,11 +176,14 @@ class Cascade:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         policy: str | Policy | None = None,
+        batch_size: int = 1,
     ) -> Generation | list[Generation]:
         """Generate for one prompt (-> a :class:`Generation`) or a list (-> a list, in order).
 
         A prompt is a string or a list of token ids. Unset sampling parameters come from the
         topology's ``sampling``. With several prompts and a seed, prompt ``i`` uses ``seed + i``.
+        ``batch_size > 1`` runs up to that many prompts together (continuous batching: each
+        level's forward pass covers all of them, and a finished prompt's place goes to the next).
         """
         single = isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
@@ -189,6 +192,12 @@ class Cascade:
         if not batch:
             raise RequestError("prompts: empty list")
         pol = _policy_arg(policy, {}, "generate")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise RequestError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
+        if batch_size > 1 and len(batch) > 1:
+            results = self._generate_batched(batch, max_new_tokens, temperature, top_k, top_p, seed, stop, pol,
+                                             batch_size)
+            return results[0] if single else results
         results = []
         for i, prompt in enumerate(batch):
             state = self._start(prompt, max_new_tokens, temperature, top_k, top_p,
@@ -230,6 +239,44 @@ class Cascade:
         text = self._text(state.generated, stops)
         if len(text) > sent:
             yield text[sent:]
+
+    def request(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float | None = None,
+                top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> RequestState:
+        """A validated request, ready to join a :meth:`batch` (``batch.add(state)``)."""
+        return self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed)
+
+    def batch(self, policy: str | Policy | None = None) -> Batch:
+        """A continuous batch: ``add`` requests from :meth:`request` whenever you like, call
+        ``step()`` to advance all of them by one speculative step (it returns what each
+        committed); finished requests leave by themselves. :meth:`result` turns a finished
+        request into a :class:`Generation`."""
+        return Batch(self.engine, _policy_arg(policy, {}, "batch"))
+
+    def result(self, state: RequestState, prompt: Prompt | None = None) -> Generation:
+        return self._result(prompt if prompt is not None else state.request.prompt_ids, state, None)
+
+    def _generate_batched(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, policy,
+                          batch_size) -> list[Generation]:
+        states = [self._start(p, max_new_tokens, temperature, top_k, top_p, None if seed is None else seed + i)
+                  for i, p in enumerate(prompts)]
+        stops = _stop_list(stop)
+        if stops:
+            self._need_tokenizer()
+        batch = Batch(self.engine, policy)
+        waiting = list(states)
+        try:
+            while waiting or batch.active:
+                while waiting and len(batch.active) < batch_size:
+                    batch.add(waiting.pop(0))
+                for state, _ in batch.step():
+                    if stops and state.finish_reason is None and any(s in self._decode(state.generated) for s in stops):
+                        state.finish_reason = "stop"
+        except WorkerError as exc:
+            exc.partial = [self._result(p, s, stop) for p, s in zip(prompts, states)]
+            raise
+        finally:
+            batch.close()
+        return [self._result(p, s, stop) for p, s in zip(prompts, states)]
 
     # -- internals -------------------------------------------------------------------------------
 

@@ -118,66 +118,26 @@ class Engine:
             stats=RequestStats(self.authority, prompt_tokens=len(request.prompt_ids)),
         )
 
+    def bind(self, policy: Policy | None) -> Policy:
+        """The engine's policy, or a per-call one bound to this graph."""
+        if policy is None:
+            return self.policy
+        try:
+            policy.bind(self.graph, self.authority)
+        except PolicyError as exc:
+            raise RequestError(f"policy: {exc}") from None
+        return policy
+
     def run(self, state: RequestState, policy: Policy | None = None) -> Iterator[list[int]]:
         """Run a started request to the end, yielding the tokens each step commits."""
-        if policy is None:
-            policy = self.policy
-        else:
-            try:
-                policy.bind(self.graph, self.authority)
-            except PolicyError as exc:
-                raise RequestError(f"policy: {exc}") from None
-        request = state.request
-        limit = request.max_new_tokens
-        if self.context_length is not None:
-            limit = min(limit, self.context_length - len(request.prompt_ids))
-        started = time.perf_counter()
-        available = set(self.workers)
+        batch = Batch(self, policy)
+        batch.add(state)
         try:
-            while state.finish_reason is None:
-                remaining = limit - len(state.generated)
-                ctx = PlanContext(self.graph, self.authority, remaining, state.stats.steps,
-                                  frozenset(available))
-                plan = policy.plan(ctx)
-                record = _StepRecord(state.stats)
-                try:
-                    new = self._step(state, plan, remaining, record)
-                except WorkerError as exc:
-                    if not self._drop_level(exc, available, state):
-                        exc.partial = list(state.generated)
-                        raise
-                    continue  # redo the step without the level; nothing was committed
-                state.stats.steps += 1
-                confidence = sum(record.confidence) / len(record.confidence) if record.confidence else None
-                policy.observe(StepFeedback(plan, tuple(record.edges), record.seconds, record.passes, len(new),
-                                            confidence))
-                for i, tok in enumerate(new):
-                    if tok in self.eos_token_ids:
-                        new = new[: i + 1]
-                        state.finish_reason = "eos"
-                        break
-                state.generated.extend(new)
-                state.stats.new_tokens = len(state.generated)
-                state.stats.wall_seconds = time.perf_counter() - started
-                if state.finish_reason is None and len(state.generated) >= limit:
-                    state.finish_reason = "length" if limit == request.max_new_tokens else "context"
-                yield new
-        finally:
-            state.stats.wall_seconds = time.perf_counter() - started
-            for w in self.workers.values():
-                w.release([state.seq_id])
-
-    def _drop_level(self, exc: WorkerError, available: set[str], state: RequestState) -> bool:
-        """A draft level failed: leave it out for the rest of the request and say so. Its
-        tokens were never committed unverified, so the output does not depend on it. The
-        authority (or an unknown level, or one already dropped) cannot be skipped: False."""
-        if exc.level is None or exc.level == self.authority or exc.level not in available:
-            return False
-        available.discard(exc.level)
-        state.stats.notes.append(
-            f"level {exc.level!r} unavailable from step {state.stats.steps}, continuing without it: {exc}"
-        )
-        return True
+            while batch.active:
+                for _, new in batch.step():
+                    yield new
+        finally:  # also when the caller stops early (a stop string)
+            batch.close()
 
     def generate(self, request: Request, policy: Policy | None = None) -> RequestState:
         state = self.start(request)
@@ -185,92 +145,223 @@ class Engine:
             pass
         return state
 
-    # -- one step ----------------------------------------------------------------------------
-
-    def _step(self, state: RequestState, plan: StepPlan, remaining: int, record: _StepRecord) -> list[int]:
-        """Commit at least one token (at most ``remaining``) by verifying up the plan's path."""
-        prefix = state.request.prompt_ids + state.generated
-        top = len(plan.path) - 1
-        tokens, _ = self._extend(state, plan, top, prefix, remaining, record)
-        return tokens
+    # -- one step for a group of sequences ---------------------------------------------------------
 
     def _sampling(self, state: RequestState, level: str) -> Sampling:
         override = self.level_sampling.get(level)
         base = state.request.sampling
         return override.apply(base) if (override is not None and level != self.authority) else base
 
-    def _extend(
-        self, state: RequestState, plan: StepPlan, i: int, prefix: list[int], budget: int, record: _StepRecord
-    ) -> tuple[list[int], torch.Tensor | None]:
+    def _extend(self, group, plan, i, prefixes, budgets, records) -> list[tuple[list[int], torch.Tensor | None]]:
         try:
-            return self._extend_level(state, plan, i, prefix, budget, record)
+            return self._extend_level(group, plan, i, prefixes, budgets, records)
         except WorkerError as exc:
             if exc.level is None:  # name the failing level (the innermost call sets it first)
                 exc.level = plan.path[i]
             raise
 
     def _extend_level(
-        self, state: RequestState, plan: StepPlan, i: int, prefix: list[int], budget: int, record: _StepRecord
-    ) -> tuple[list[int], torch.Tensor | None]:
-        """Up to ``budget`` exact samples of level ``plan.path[i]`` after ``prefix``, with the
-        rows they were sampled from. The authority (top of the path) runs a single round."""
+        self,
+        group: list[RequestState],  # sequences sharing one sampling configuration
+        plan: StepPlan,
+        i: int,
+        prefixes: list[list[int]],
+        budgets: list[int],
+        records: list["_StepRecord"],
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        """For each sequence, up to ``budgets[b]`` exact samples of level ``plan.path[i]`` after
+        ``prefixes[b]``, with the rows they were sampled from. Every forward pass covers all the
+        sequences that still need one; each accepts its own number of tokens. The authority (top
+        of the path) runs a single round."""
         level = plan.path[i]
         worker = self.workers[level]
-        sampling = self._sampling(state, level)
+        sampling = self._sampling(group[0], level)
         stop = plan.stop.get(level)
+        n = len(group)
         if i == 0 and level != self.authority:
-            uniforms = torch.rand(budget, generator=state.generator, dtype=torch.float64)
+            todo = [b for b in range(n) if budgets[b] > 0]
+            uniforms = [torch.rand(budgets[b], generator=group[b].generator, dtype=torch.float64) for b in todo]
             t0 = time.perf_counter()
-            draft = worker.draft([state.seq_id], [prefix], [budget], sampling, [uniforms], stop)[0]
-            record.cost(level, time.perf_counter() - t0, draft.forward_passes)
-            if draft.confidence:
-                record.confidence.extend(draft.confidence)
-            record.stats.level(level).early_stops += draft.stopped_early
-            return draft.tokens, draft.probs
+            drafts = worker.draft([group[b].seq_id for b in todo], [prefixes[b] for b in todo],
+                                  [budgets[b] for b in todo], sampling, uniforms, stop)
+            share = (time.perf_counter() - t0) / max(1, len(todo))
+            results: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in range(n)]
+            for b, draft in zip(todo, drafts):
+                records[b].cost(level, share, draft.forward_passes)
+                records[b].confidence.extend(draft.confidence or [])
+                records[b].stats.level(level).early_stops += draft.stopped_early
+                results[b] = (draft.tokens, draft.probs)
+            return results
 
-        out: list[int] = []
-        rows: list[torch.Tensor] = []
-        block_prob = 1.0
-        while len(out) < budget:
+        below = plan.path[i - 1] if i > 0 else None
+        top = i == len(plan.path) - 1
+        outs: list[list[int]] = [[] for _ in range(n)]
+        rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        block_prob = [1.0] * n
+        stopped = [False] * n
+        while True:
+            active = [b for b in range(n) if not stopped[b] and len(outs[b]) < budgets[b]]
+            if not active:
+                break
             # Ask the level below for at most budget-1-len(out) tokens: with the bonus token a
             # fully accepted block then lands exactly on the budget.
-            below = plan.path[i - 1] if i > 0 else None
-            k = min(plan.lookahead.get(below, 0), budget - len(out) - 1) if below else 0
-            if k > 0:
-                sub_tokens, sub_probs = self._extend(state, plan, i - 1, prefix + out, k, record)
-            else:
-                sub_tokens, sub_probs = [], None
+            ks = {b: min(plan.lookahead.get(below, 0), budgets[b] - len(outs[b]) - 1) if below else 0 for b in active}
+            subs: dict[int, tuple[list[int], torch.Tensor | None]] = {b: ([], None) for b in active}
+            need = [b for b in active if ks[b] > 0]
+            if need:
+                got = self._extend([group[b] for b in need], plan, i - 1, [prefixes[b] + outs[b] for b in need],
+                                   [ks[b] for b in need], [records[b] for b in need])
+                subs.update(zip(need, got))
+            scored = ([group[b].seq_id for b in active], [prefixes[b] + outs[b] + subs[b][0] for b in active],
+                      [len(subs[b][0]) + 1 for b in active])
             t0 = time.perf_counter()
-            scored = ([state.seq_id], [prefix + out + sub_tokens], [len(sub_tokens) + 1])
             if stop is None:
                 # Only the sampling rows are needed: a remote worker warps next to the model and
                 # ships the nonzero entries alone.
-                level_probs = worker.score_probs(*scored, sampling)[0]  # [len(sub_tokens) + 1, vocab]
+                logits = None
+                level_probs = worker.score_probs(*scored, sampling)  # per sequence [k_b + 1, vocab]
             else:  # the stop rule reads the model's own logits
-                logits = worker.score(*scored)[0]
-                level_probs = sampling.probs(logits)
-            record.cost(level, time.perf_counter() - t0, 1)
-            n = len(sub_tokens)
-            uniforms = torch.rand(n + 1, generator=state.generator, dtype=torch.float64)
-            if n:
-                verdict = verify_block(sub_tokens, sub_probs, level_probs, uniforms)
-                record.edge(below, level, n, verdict.accepted)
-                emitted = sub_tokens[: verdict.accepted] + [verdict.next_token]
-            else:
-                # Nothing proposed: the level samples one token itself.
-                emitted = [int(sample_with_uniform(level_probs[0], uniforms[n]))]
-            for j, tok in enumerate(emitted):
-                out.append(tok)
-                rows.append(level_probs[j])
-                if i == len(plan.path) - 1:
-                    continue
-                if stop is not None and len(out) < budget:
-                    step = draft_step(len(out) - 1, logits[j], tok, block_prob)
-                    block_prob = step.block_prob
-                    if stop.should_stop(step):
-                        record.stats.level(level).early_stops += 1
-                        return out, torch.stack(rows)
-            if i == len(plan.path) - 1:
+                logits = worker.score(*scored)
+                level_probs = [sampling.probs(x) for x in logits]
+            share = (time.perf_counter() - t0) / len(active)
+            for a, b in enumerate(active):
+                records[b].cost(level, share, 1)
+                sub_tokens, sub_probs = subs[b]
+                k = len(sub_tokens)
+                uniforms = torch.rand(k + 1, generator=group[b].generator, dtype=torch.float64)
+                if k:
+                    verdict = verify_block(sub_tokens, sub_probs, level_probs[a], uniforms)
+                    records[b].edge(below, level, k, verdict.accepted)
+                    emitted = sub_tokens[: verdict.accepted] + [verdict.next_token]
+                else:  # nothing proposed: the level samples one token itself
+                    emitted = [int(sample_with_uniform(level_probs[a][0], uniforms[k]))]
+                for j, tok in enumerate(emitted):
+                    outs[b].append(tok)
+                    rows[b].append(level_probs[a][j])
+                    if stop is not None and not top and len(outs[b]) < budgets[b]:
+                        step = draft_step(len(outs[b]) - 1, logits[a][j], tok, block_prob[b])
+                        block_prob[b] = step.block_prob
+                        if stop.should_stop(step):
+                            records[b].stats.level(level).early_stops += 1
+                            stopped[b] = True
+                            break
+            if top:
                 break  # the authority commits after one verification
-        return out, torch.stack(rows)
+        return [(outs[b], torch.stack(rows[b]) if rows[b] else None) for b in range(n)]
 
+
+class Batch:
+    """Continuous batching: requests join with :meth:`add` and leave when finished; each
+    :meth:`step` runs one speculative step for all active requests, every level's forward pass
+    covering all of them at once.
+
+    Requests with different sampling parameters step as separate groups (a worker call shares
+    one sampling configuration). A level that fails is dropped for the requests in flight.
+    """
+
+    def __init__(self, engine: Engine, policy: Policy | None = None):
+        self.engine = engine
+        self.policy = engine.bind(policy)
+        self.active: list[RequestState] = []
+        self._limits: dict[str, int] = {}
+        self._started: dict[str, float] = {}
+        self._available: dict[str, set[str]] = {}
+
+    def add(self, state: RequestState) -> RequestState:
+        request = state.request
+        limit = request.max_new_tokens
+        if self.engine.context_length is not None:
+            limit = min(limit, self.engine.context_length - len(request.prompt_ids))
+        self._limits[state.seq_id] = limit
+        self._started[state.seq_id] = time.perf_counter()
+        self._available[state.seq_id] = set(self.engine.workers)
+        self.active.append(state)
+        return state
+
+    def step(self) -> list[tuple[RequestState, list[int]]]:
+        """One step for every active request; returns what each committed. Finished requests
+        leave the batch (their caches are released)."""
+        self._retire()  # e.g. stopped by the caller on a stop string since the last step
+        groups: dict[tuple, list[RequestState]] = {}
+        for state in self.active:
+            key = (state.request.sampling, frozenset(self._available[state.seq_id]))
+            groups.setdefault(key, []).append(state)
+        committed: list[tuple[RequestState, list[int]]] = []
+        try:
+            for (_, available), group in groups.items():
+                committed.extend(self._step_group(group, available))
+        finally:
+            self._retire()
+        return committed
+
+    def _step_group(self, group: list[RequestState], available: frozenset[str]) -> list[tuple[RequestState, list[int]]]:
+        engine = self.engine
+        remaining = [self._limits[s.seq_id] - len(s.generated) for s in group]
+        ctx = PlanContext(engine.graph, engine.authority, max(remaining), min(s.stats.steps for s in group),
+                          available, batch_size=len(self.active))
+        plan = self.policy.plan(ctx)
+        records = [_StepRecord(s.stats) for s in group]
+        prefixes = [s.request.prompt_ids + s.generated for s in group]
+        try:
+            outs = engine._extend(group, plan, len(plan.path) - 1, prefixes, remaining, records)
+        except WorkerError as exc:
+            if not self._drop_level(exc, group):
+                for s in group:
+                    s.finish_reason = s.finish_reason or "error"
+                exc.partial = {s.seq_id: list(s.generated) for s in group} if len(group) > 1 else list(group[0].generated)
+                raise
+            return []  # redo the step without the level next time; nothing was committed
+        committed = []
+        for state, record, (new, _) in zip(group, records, outs):
+            state.stats.steps += 1
+            confidence = sum(record.confidence) / len(record.confidence) if record.confidence else None
+            self.policy.observe(StepFeedback(plan, tuple(record.edges), record.seconds, record.passes, len(new),
+                                             confidence))
+            for j, tok in enumerate(new):
+                if tok in engine.eos_token_ids:
+                    new = new[: j + 1]
+                    state.finish_reason = "eos"
+                    break
+            state.generated.extend(new)
+            state.stats.new_tokens = len(state.generated)
+            state.stats.wall_seconds = time.perf_counter() - self._started[state.seq_id]
+            limit = self._limits[state.seq_id]
+            if state.finish_reason is None and len(state.generated) >= limit:
+                state.finish_reason = "length" if limit == state.request.max_new_tokens else "context"
+            committed.append((state, new))
+        return committed
+
+    def _drop_level(self, exc: WorkerError, group: list[RequestState]) -> bool:
+        """A draft level failed: leave it out for these requests and say so. Its tokens were
+        never committed unverified, so the output does not depend on it. The authority (or an
+        unknown level, or one already dropped) cannot be skipped: False."""
+        if exc.level is None or exc.level == self.engine.authority:
+            return False
+        dropped = False
+        for state in group:
+            available = self._available[state.seq_id]
+            if exc.level in available:
+                available.discard(exc.level)
+                dropped = True
+                state.stats.notes.append(
+                    f"level {exc.level!r} unavailable from step {state.stats.steps}, continuing without it: {exc}"
+                )
+        return dropped
+
+    def _retire(self) -> None:
+        done = [s for s in self.active if s.finish_reason is not None]
+        if not done:
+            return
+        self.active = [s for s in self.active if s.finish_reason is None]
+        for state in done:
+            state.stats.wall_seconds = time.perf_counter() - self._started.pop(state.seq_id)
+            self._limits.pop(state.seq_id)
+            self._available.pop(state.seq_id)
+        for w in self.engine.workers.values():
+            w.release([s.seq_id for s in done])
+
+    def close(self) -> None:
+        """Abandon what is still active (releasing its caches)."""
+        for state in self.active:
+            state.finish_reason = state.finish_reason or "cancelled"
+        self._retire()

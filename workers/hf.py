@@ -85,25 +85,79 @@ class HFWorker(Worker):
         token_ids: Sequence[Sequence[int]],
         num_positions: Sequence[int],
     ) -> list[torch.Tensor]:
-        # One forward per sequence for now; the batched engine pads them into one.
-        return [self._score_one(s, list(t), n) for s, t, n in zip(seq_ids, token_ids, num_positions)]
+        if len(seq_ids) == 1:
+            return [self._score_one(seq_ids[0], list(token_ids[0]), num_positions[0])]
+        return self._score_batch(seq_ids, token_ids, num_positions)
 
-    def _score_one(self, seq_id: str, tokens: list[int], num_positions: int) -> torch.Tensor:
+    def _reconcile(self, seq_id: str, tokens: list[int], num_positions: int) -> tuple[_SeqCache, list[int]]:
+        """Crop the sequence's cache to its longest common prefix with ``tokens`` (keeping the
+        positions that need logits uncached) and return it with the tokens still to feed."""
         if not 1 <= num_positions <= len(tokens):
             raise ValueError(f"num_positions={num_positions} for a sequence of {len(tokens)} tokens")
         entry = self._caches.get(seq_id)
         if entry is None:
             entry = self._caches[seq_id] = _SeqCache(self._new_cache())
-        keep = _common_prefix(entry.tokens, tokens)
-        # The positions we need logits for must be fed, even if cached.
-        keep = min(keep, len(tokens) - num_positions)
+        keep = min(_common_prefix(entry.tokens, tokens), len(tokens) - num_positions)
         if keep < len(entry.tokens):
             entry.cache.crop(keep - len(entry.tokens))
             del entry.tokens[keep:]
-        new = torch.tensor([tokens[keep:]], dtype=torch.long, device=self.device)
+        return entry, tokens[keep:]
+
+    def _score_batch(self, seq_ids, token_ids, num_positions) -> list[torch.Tensor]:
+        """One forward pass over several sequences with ragged caches.
+
+        Each sequence keeps its own cache. For the pass, the caches are left-padded to a common
+        length and the new tokens right-padded, with an attention mask hiding every pad and
+        explicit position ids per row; afterwards each row's new keys/values are appended to its
+        own cache. (HF's dynamic cache already copies the whole cache on every append, so the
+        padding copy does not change the order of the cost.)
+        """
+        rows = [self._reconcile(s, list(t), n) for s, t, n in zip(seq_ids, token_ids, num_positions)]
+        pasts = [len(entry.tokens) for entry, _ in rows]
+        width = max(len(new) for _, new in rows)
+        longest = max(pasts)
+        batch = len(rows)
+        dev = self.device
+        mask = torch.zeros(batch, longest + width, dtype=torch.long, device=dev)
+        input_ids = torch.zeros(batch, width, dtype=torch.long, device=dev)
+        for b, ((_, new), past) in enumerate(zip(rows, pasts)):
+            mask[b, longest - past:longest + len(new)] = 1
+            input_ids[b, :len(new)] = torch.tensor(new, dtype=torch.long)
+        positions = torch.tensor(pasts, device=dev).unsqueeze(1) + torch.arange(width, device=dev)
+        cache = self._new_cache()
+        if longest:
+            data = []
+            template = next(entry.cache for (entry, _), past in zip(rows, pasts) if past)
+            for layer_idx, layer in enumerate(template.layers):
+                keys, values = [], []
+                for (entry, _), past in zip(rows, pasts):
+                    own = entry.cache.layers[layer_idx]
+                    k = own.keys if past else layer.keys[:, :, :0]
+                    v = own.values if past else layer.values[:, :, :0]
+                    keys.append(torch.nn.functional.pad(k, (0, 0, longest - past, 0)))
+                    values.append(torch.nn.functional.pad(v, (0, 0, longest - past, 0)))
+                data.append((torch.cat(keys), torch.cat(values)))
+            cache = _cache_from(data, self.model.config)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                         use_cache=True)
+        results = []
+        for b, ((entry, new), n) in enumerate(zip(rows, num_positions)):
+            for layer_idx, layer in enumerate(out.cache.layers):
+                entry.cache.update(layer.keys[b:b + 1, :, longest:longest + len(new)],
+                                   layer.values[b:b + 1, :, longest:longest + len(new)], layer_idx)
+            entry.tokens.extend(new)
+            logits = out.logits[b, len(new) - n:len(new)]
+            if logits.dtype in (torch.float16, torch.bfloat16):
+                logits = logits.float()
+            results.append(logits.cpu())
+        return results
+
+    def _score_one(self, seq_id: str, tokens: list[int], num_positions: int) -> torch.Tensor:
+        entry, fresh = self._reconcile(seq_id, tokens, num_positions)
+        new = torch.tensor([fresh], dtype=torch.long, device=self.device)
         out = self.model(input_ids=new, cache=entry.cache, use_cache=True, logits_to_keep=num_positions)
         entry.cache = out.cache
-        entry.tokens.extend(tokens[keep:])
+        entry.tokens.extend(fresh)
         logits = out.logits[0, -num_positions:]
         # Verification runs on the host in at least float32.
         if logits.dtype in (torch.float16, torch.bfloat16):
@@ -117,6 +171,12 @@ class HFWorker(Worker):
     def close(self) -> None:
         self._caches.clear()
         self.model = None
+
+
+def _cache_from(data, config):
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=data, config=config)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
