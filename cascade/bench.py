@@ -370,6 +370,74 @@ def write_report(out: Path, reports: list[ConfigReport], samples: list[Sample], 
         plt.close(fig)
 
 
+def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], max_new_tokens: int = 64,
+                    policy: str | None = None, out: str | Path | None = None, progress: bool = True) -> list[dict]:
+    """Throughput under load: for each batch size B, B prompts run together, by plain batched
+    decoding of the authority (transformers ``generate`` with left padding) and by the cascade
+    (``generate(..., batch_size=B)``), alternating which goes first. Reports total tokens/s and
+    mean per-request latency of each, and their ratio."""
+    import torch
+    from tqdm import tqdm
+
+    from cascade.api import Cascade
+    from policies import make_policy, parse_policy_spec
+
+    rows = []
+    with Cascade.from_topology(topology) as c:
+        model = c.workers[c.topology.authority].model
+        tok = c.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        pol = make_policy(*parse_policy_spec(policy)) if policy else None
+
+        def plain(batch: list[str]) -> tuple[int, float]:
+            enc = [tok.encode(p) for p in batch]
+            width = max(len(e) for e in enc)
+            ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
+            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out_ids = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                                         pad_token_id=pad)
+            seconds = time.perf_counter() - t0
+            new = out_ids[:, width:]
+            eos = tok.eos_token_id
+            tokens = sum(int((row != eos).cumprod(0).sum()) + int((row == eos).any()) for row in new)
+            return tokens, seconds
+
+        def cascade(batch: list[str]) -> tuple[int, float]:
+            t0 = time.perf_counter()
+            gs = c.generate(batch, max_new_tokens=max_new_tokens, temperature=0.0, batch_size=len(batch), policy=pol)
+            return sum(len(g.token_ids) for g in gs), time.perf_counter() - t0
+
+        plain(prompts[:2])
+        cascade(prompts[:2])  # warm-up
+        for i, size in enumerate(tqdm(batch_sizes, desc="batch sizes", disable=not progress, file=sys.stderr)):
+            batch = [prompts[j % len(prompts)] for j in range(size)]
+            runs = {}
+            for name in (("plain", "cascade") if i % 2 == 0 else ("cascade", "plain")):
+                runs[name] = (plain if name == "plain" else cascade)(batch)
+            (pt, ps), (ct, cs) = runs["plain"], runs["cascade"]
+            rows.append({"batch_size": size, "plain_tokens_per_second": pt / ps, "cascade_tokens_per_second": ct / cs,
+                         "plain_latency_s": ps, "cascade_latency_s": cs, "ratio": (ct / cs) / (pt / ps)})
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "batch.json").write_text(json.dumps({"topology": topology, "max_new_tokens": max_new_tokens,
+                                                    "policy": policy, "rows": rows}, indent=1))
+        (out / "batch.md").write_text(batch_markdown(rows, topology, max_new_tokens))
+    return rows
+
+
+def batch_markdown(rows: list[dict], topology: str, max_new_tokens: int) -> str:
+    lines = [f"Topology `{topology}`, {max_new_tokens} new tokens per request, greedy; B requests start together.",
+             "", "| batch size | plain tokens/s | cascade tokens/s | cascade ÷ plain | plain latency (s) | "
+             "cascade latency (s) |", "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['batch_size']} | {r['plain_tokens_per_second']:.1f} | {r['cascade_tokens_per_second']:.1f} "
+                     f"| {r['ratio']:.2f}x | {r['plain_latency_s']:.2f} | {r['cascade_latency_s']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark cascade against plain and transformers' assisted decoding",
                        description="Run plain decoding, transformers assisted generation and prompt lookup, and "
@@ -385,6 +453,10 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
     p.add_argument("--only", action="append", default=None,
                    help="run only configurations whose name contains this (plain always runs; repeatable)")
+    p.add_argument("--batch-sizes", default=None,
+                   help="throughput mode: comma-separated batch sizes (e.g. 1,4,16,64), plain batched decoding "
+                        "vs the batched cascade")
+    p.add_argument("--policy", default=None, help="cascade policy for --batch-sizes (default: the topology's)")
     p.add_argument("--out", required=True)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_main)
@@ -396,6 +468,13 @@ def _main(args) -> int:
 
     prompts = load_prompts(args.prompts, args.num_prompts)
     t0 = time.perf_counter()
+    if args.batch_sizes:
+        sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+        run_batch_bench(args.topology, prompts, sizes, args.max_new_tokens, args.policy, args.out,
+                        progress=not args.no_progress)
+        print((Path(args.out) / "batch.md").read_text())
+        print(f"({time.perf_counter() - t0:.0f} s; report in {args.out})")
+        return 0
     reports, _ = run_bench(args.topology, prompts, args.max_new_tokens, args.repeats, args.out, args.prompt_lookup,
                            args.only, progress=not args.no_progress)
     print((Path(args.out) / "bench.md").read_text())

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cascade.cli import main
 from conftest import family_topology, write_topology
 
@@ -37,3 +39,18 @@ def test_bench_end_to_end(family, tmp_path, capsys):
     for name in ("bench.md", "speedup.png", "acceptance.png", "time_breakdown.png"):
         assert (out / name).stat().st_size > 0
     assert "| cascade:3level:fixed |" in stdout
+
+
+def test_bench_batch_sizes(family, tmp_path, capsys):
+    topo = write_topology(tmp_path / "b.yaml", family_topology(family, ["tiny", "large"]))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):\n", "import os\n", "class A:\n"]))
+    out = tmp_path / "batch"
+    assert main(["bench", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "8",
+                 "--batch-sizes", "1,3", "--out", str(out), "--no-progress"]) == 0
+    rows = json.loads((out / "batch.json").read_text())["rows"]
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["plain_tokens_per_second"] > 0 and r["cascade_tokens_per_second"] > 0
+        assert r["ratio"] == pytest.approx(r["cascade_tokens_per_second"] / r["plain_tokens_per_second"])
+    assert "| 3 |" in capsys.readouterr().out
