@@ -112,13 +112,22 @@ class CostAwarePolicy(_PathMixin, Policy):
     From measured acceptance per draft position and measured seconds per forward pass of each
     level, it picks the k that minimises expected seconds per emitted token on each edge (the
     seed's speedup equation, §9, composed up the hierarchy: see ``Estimates.path_cost``), and
-    explores k ± 1 with probability ``explore``.
+    explores a random k on one edge with probability ``explore``.
+
+    Under load the authority's pass is shared by the whole batch: ``verify_budget`` caps the
+    tokens one authority pass verifies across the batch, so the authority's proposer gets at
+    most ``verify_budget // batch_size - 1`` tokens per sequence, and none — plain batched
+    decoding — once the batch is that large. ``None`` switches the cap off.
     """
 
     name = "cost-aware"
 
     def __init__(self, max_lookahead: int = 8, explore: float = 0.1, prior: float = 0.6, decay: float = 0.98,
-                 seed: int = 0, path: list[str] | None = None):
+                 seed: int = 0, path: list[str] | None = None, verify_budget: int | None = 128):
+        if verify_budget is not None and (isinstance(verify_budget, bool) or not isinstance(verify_budget, int)
+                                          or verify_budget < 1):
+            raise PolicyError(f"verify_budget: expected a positive integer or null, got {verify_budget!r}")
+        self.verify_budget = verify_budget
         self.max_lookahead = _check_lookahead("max_lookahead", max_lookahead)
         self.explore = _check_unit("explore", explore)
         self.estimates = Estimates(prior=_check_unit("prior", prior), decay=_check_unit("decay", decay))
@@ -138,10 +147,22 @@ class CostAwarePolicy(_PathMixin, Policy):
             lookahead[level] = self.rng.randint(1, self.max_lookahead)
         return lookahead
 
+    def _under_load(self, ctx: PlanContext, path: tuple[str, ...], lookahead: dict[str, int]) -> StepPlan:
+        """Apply the verification budget, then drop levels left idle (k = 0 on their edge)."""
+        if self.verify_budget is not None and len(path) > 1:
+            cap = self.verify_budget // max(1, ctx.batch_size) - 1
+            lookahead = dict(lookahead, **{path[-2]: max(0, min(lookahead[path[-2]], cap))})
+        # A level asked for no tokens cuts the path: nothing below it can be used.
+        for j in range(len(path) - 2, -1, -1):
+            if lookahead.get(path[j], 0) == 0:
+                path = path[j + 1:]
+                break
+        return StepPlan(path, {n: lookahead[n] for n in path[:-1]})
+
     def plan(self, ctx: PlanContext) -> StepPlan:
         path = self._path(ctx)
         _, lookahead = self.estimates.path_cost(path, self.max_lookahead)
-        return StepPlan(path, self._explore(lookahead))
+        return self._under_load(ctx, path, self._explore(lookahead))
 
     def observe(self, feedback: StepFeedback) -> None:
         self.estimates.observe(feedback)
@@ -163,8 +184,8 @@ class EscalationPolicy(CostAwarePolicy):
     name = "escalation"
 
     def __init__(self, max_lookahead: int = 8, explore: float = 0.05, prior: float = 0.7, decay: float = 0.98,
-                 confident: float = 0.8, seed: int = 0):
-        super().__init__(max_lookahead, explore, prior, decay, seed)
+                 confident: float = 0.8, seed: int = 0, verify_budget: int | None = 128):
+        super().__init__(max_lookahead, explore, prior, decay, seed, verify_budget=verify_budget)
         self.confident = _check_unit("confident", confident)
         self.contexts = {True: Estimates(prior=prior, decay=decay), False: self.estimates}
         self._context = False
@@ -192,10 +213,7 @@ class EscalationPolicy(CostAwarePolicy):
         else:
             priced = [(estimates.path_cost(p, self.max_lookahead), p) for p in candidates]
             (_, lookahead), path = min(priced, key=lambda item: item[0][0])
-        # Trim levels the chosen lookahead leaves idle (k = 0 on their edge).
-        while len(path) > 1 and lookahead.get(path[0], 0) == 0:
-            path = path[1:]
-        return StepPlan(path, {n: lookahead[n] for n in path[:-1]})
+        return self._under_load(ctx, path, lookahead)
 
     def observe(self, feedback: StepFeedback) -> None:
         self.contexts[self._context].observe(feedback)
@@ -210,8 +228,8 @@ class AutoPolicy(EscalationPolicy):
     name = "auto"
 
     def __init__(self, max_lookahead: int = 8, explore: float = 0.05, prior: float = 0.7, decay: float = 0.98,
-                 confident: float = 0.8, stop_threshold: float = 0.2, seed: int = 0):
-        super().__init__(max_lookahead, explore, prior, decay, confident, seed)
+                 confident: float = 0.8, stop_threshold: float = 0.2, seed: int = 0, verify_budget: int | None = 128):
+        super().__init__(max_lookahead, explore, prior, decay, confident, seed, verify_budget)
         self.stop_threshold = _check_unit("stop_threshold", stop_threshold)
 
     def plan(self, ctx: PlanContext) -> StepPlan:

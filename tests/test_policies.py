@@ -154,6 +154,21 @@ def test_escalation_goes_through_the_middle_when_drafts_are_unsure():
     assert policy.plan(ctx(DAG)).path == ("tiny", "large")
 
 
+def test_verification_budget_shrinks_speculation_under_load():
+    policy = bound(CostAwarePolicy(explore=0.0, verify_budget=64))
+    seconds = {"tiny": 0.001, "small": 0.003, "large": 0.02}
+    teach(policy, ("tiny", "small", "large"), [("tiny", "small", 8, 8), ("small", "large", 8, 8)], seconds)
+
+    def plan_at(batch):
+        return policy.plan(PlanContext(CHAIN, "large", 100, 0, frozenset(CHAIN.nodes), batch_size=batch))
+
+    assert plan_at(1).lookahead["small"] == 8
+    assert plan_at(16).lookahead["small"] == 3  # 64 // 16 - 1
+    assert plan_at(64).path == ("large",)  # no speculation: plain batched decoding
+    with pytest.raises(PolicyError, match="verify_budget"):
+        CostAwarePolicy(verify_budget=0)
+
+
 def test_auto_adds_a_confidence_stop():
     plan = bound(AutoPolicy(explore=0.0, stop_threshold=0.25)).plan(ctx())
     assert all(rule == ConfidenceStop(0.25) for rule in plan.stop.values())
