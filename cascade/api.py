@@ -95,15 +95,12 @@ def check_vocab_sizes(topo: Topology, sizes: dict[str, int]) -> None:
 
 
 def _custom_worker(source: str, i: int, kind: str, params: dict[str, Any]) -> Worker:
-    import importlib
+    from cascade.plugins import load_class
 
-    module_name, _, attr = kind.partition(":")
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise TopologyError(f"{source}: levels[{i}].kind: cannot import {kind!r}: {exc}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Worker)):
-        raise TopologyError(f"{source}: levels[{i}].kind: {kind!r} is not a Worker subclass")
+        cls = load_class(kind, Worker)
+    except LookupError as exc:
+        raise TopologyError(f"{source}: levels[{i}].kind: {exc}") from None
     try:
         return cls(**params)
     except TypeError as exc:

@@ -5,7 +5,6 @@ Name a policy in a topology (``policy: {name: fixed, params: {lookahead: 4}}``) 
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from policies.base import (
@@ -25,17 +24,15 @@ REGISTRY: dict[str, str] = {
 
 def resolve(name: str) -> type[Policy]:
     """A registered policy name or a ``"module:Class"`` path -> the Policy class."""
+    from cascade.plugins import load_class
+
     target = REGISTRY.get(name, name)
     if ":" not in target:
         raise PolicyError(f"name: unknown policy {name!r}; known: {sorted(REGISTRY)} or 'module:Class'")
-    module_name, _, attr = target.partition(":")
     try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise PolicyError(f"name: cannot import policy {target!r}: {exc}") from exc
-    if not (isinstance(obj, type) and issubclass(obj, Policy)):
-        raise PolicyError(f"name: {target!r} is not a Policy subclass")
-    return obj
+        return load_class(target, Policy)
+    except LookupError as exc:
+        raise PolicyError(f"name: {exc}") from None
 
 
 def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
