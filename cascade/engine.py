@@ -12,6 +12,10 @@ distribution at its position, so (tokens, rows) go up as (draft tokens, ``draft_
 ``l_{i+1}``, which verifies with the same rule. By induction the authority's output is exact
 (DESIGN.md §2). Block lengths depend only on information the proposer had (its lookahead and
 its own confidence): stopping times, which keep it exact.
+
+Sequences run in batches (:class:`Batch`, a solo request is a batch of one): each forward pass
+of a level covers every sequence that needs one at that point, each sequence accepts its own
+number of tokens, and each draws its randomness from its own generator.
 """
 from __future__ import annotations
 
