@@ -523,8 +523,11 @@ def _connect(address: str | None, namespace: str | None) -> bool:
         address = "auto" if os.environ.get("RAY_ADDRESS") else "local"
     kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": True}
     if address == "local":
-        # A private runtime on this machine, reachable on loopback only.
-        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+        # A private runtime on this machine, reachable on loopback only. Its actors are the
+        # work itself, not background tasks: Ray's default (workers niced by 15) would let any
+        # other process on the machine starve the models while the driver waits on them.
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+                 _system_config={"worker_niceness": 0}, **kwargs)
         return True
     ray.init(address=address, **kwargs)
     # Connected to a cluster someone else runs: disconnect on close, never shut it down. A

@@ -8,6 +8,11 @@ Ray, prompt by prompt), so that a noisy machine slows both alike; each backend f
 unmeasured warm-up prompt. The in-process backend gets as many torch threads as each actor
 (``--threads``). Every pair of outputs must be token-identical (greedy, or the same seed).
 Ray starts privately on loopback unless ``--address`` names a cluster.
+
+Without a trained family, ``--random-family DIR --tokenizer PATH`` first writes one with the
+bundled family's shapes (``cascade.family.SIZES``) and a topology for it: ``independent`` drafts
+(random, so they rarely agree: many calls per committed token) or ``truncated`` drafts (the
+authority's first 1/4/7 layers, which agree with it often, as trained drafts do).
 """
 from __future__ import annotations
 
@@ -28,7 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the in-process backend")
     p.add_argument("--address", default="local", help="Ray address (default: a private local runtime)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--random-family", metavar="DIR", default=None,
+                   help="write a random family with the bundled shapes to DIR and measure on it")
+    p.add_argument("--drafts", choices=("independent", "truncated"), default="truncated")
+    p.add_argument("--tokenizer", default="examples/models/large", help="tokenizer for --random-family")
     args = p.parse_args(argv)
+    if args.random_family:
+        args.topology = str(write_random_family(args.random_family, args.tokenizer, args.drafts))
 
     import torch
 
@@ -81,6 +92,38 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in figures.items():
             print(f"{k:<26}{v}")
     return 0
+
+
+def write_random_family(root: str, tokenizer_path: str, drafts: str):
+    """A family with the bundled shapes and random weights, and ``root/topology.yaml``."""
+    from pathlib import Path
+
+    import yaml
+    from transformers import AutoTokenizer
+
+    from cascade.family import LEVELS, SIZES, make_model, save_model
+
+    root_dir = Path(root)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    large = make_model(SIZES["large"], tokenizer, seed=0)
+    for i, name in enumerate(LEVELS):
+        if name == "large":
+            model = large
+        elif drafts == "truncated":  # the authority's first layers, its own embeddings and head
+            size = {**SIZES["large"], "layers": SIZES[name]["layers"]}
+            model = make_model(size, tokenizer, seed=0)
+            model.load_state_dict(large.state_dict(), strict=False)
+        else:
+            model = make_model(SIZES[name], tokenizer, seed=i + 1)
+        save_model(model, tokenizer, root_dir / name, dtype="float32")
+    # Four actors on however few CPUs: a share each (one torch thread apiece either way).
+    topo = {"name": f"random-{drafts}",
+            "levels": [{"name": n, "model": n, "resources": {"num_cpus": 0.25}} for n in LEVELS],
+            "policy": {"name": "fixed", "params": {"lookahead": {"tiny": 3, "small": 5, "medium": 8}}},
+            "ray": {"ngram_in_driver": True}}
+    path = root_dir / "topology.yaml"
+    path.write_text(yaml.safe_dump(topo, sort_keys=False))
+    return path
 
 
 if __name__ == "__main__":
