@@ -346,21 +346,22 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def plan_bundles(levels: Sequence[LevelSpec]) -> tuple[list[dict[str, float]], list[int]]:
     """Placement-group bundles for the levels, and each level's bundle index.
 
-    Levels asking for a fraction of a GPU share a bundle of one GPU while their fractions fit
-    (so that they share one device); every other level gets a bundle of its own.
+    Levels asking for a fraction of a GPU share a bundle of one GPU (first fit), so that they
+    share one device; every other level gets a bundle of its own.
     """
     bundles: list[dict[str, float]] = []
     index: list[int] = []
-    shared: int | None = None  # the open bundle of fractional-GPU levels
-    used = 0.0
+    gpu_used: dict[int, float] = {}  # bundle of fractional-GPU levels -> GPU fraction taken
     for level in levels:
         r = level.resources
         want = {"CPU": r.num_cpus, **r.custom}
         if 0 < r.num_gpus < 1:
-            if shared is None or used + r.num_gpus > 1 + 1e-9:
+            shared = next((b for b, used in gpu_used.items() if used + r.num_gpus <= 1 + 1e-9), None)
+            if shared is None:
                 bundles.append({"GPU": 1.0})
-                shared, used = len(bundles) - 1, 0.0
-            used += r.num_gpus
+                shared = len(bundles) - 1
+                gpu_used[shared] = 0.0
+            gpu_used[shared] += r.num_gpus
             for k, v in want.items():
                 bundles[shared][k] = bundles[shared].get(k, 0.0) + v
             index.append(shared)
