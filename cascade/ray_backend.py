@@ -441,12 +441,12 @@ class RayBackend:
         for i, level in levels:
             if level.kind != "ngram":
                 self.actors[level.name] = create(i, level, None)
-        self._collect(infos, spec.call_timeout_s)
+        self._collect(infos, spec.start_timeout_s)
         vocab = infos[topo.authority]["vocab_size"]
         for i, level in levels:
             if level.kind == "ngram":
                 self.actors[level.name] = create(i, level, vocab)
-        self._collect(infos, spec.call_timeout_s)
+        self._collect(infos, spec.start_timeout_s)
         workers: dict[str, Worker] = {
             lv.name: build_worker(lv, None, i, topo.source, None, vocab) for i, lv in everything if lv.name in in_driver}
         check_vocab_sizes(topo, {**{name: info["vocab_size"] for name, info in infos.items()},
@@ -458,12 +458,16 @@ class RayBackend:
 
     def _collect(self, infos: dict[str, dict], timeout: float) -> None:
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         pending = {name: a.info.remote() for name, a in self.actors.items() if name not in infos}
+        deadline = time.monotonic() + timeout
         for name, ref in pending.items():
             try:
-                infos[name] = ray.get(ref, timeout=timeout)
+                infos[name] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except GetTimeoutError:
+                raise WorkerError(f"level {name!r}: actor did not start within {timeout:g} s "
+                                  "(ray.start_timeout_s)", level=name) from None
             except RayTaskError as exc:  # the worker's constructor raised (e.g. a TopologyError)
                 cause = exc.cause if isinstance(exc.cause, Exception) else None
                 if isinstance(cause, TopologyError):

@@ -94,6 +94,7 @@ class RaySpec(BaseModel):
         300.0, gt=0, description="Longest wait for one remote call, including a restart's model reload."
     )
     placement_timeout_s: float = Field(120.0, gt=0, description="Longest wait for the placement group.")
+    start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for the actors to load their models.")
     ngram_in_driver: bool = Field(
         True, description="Run model-free n-gram levels in the driver process: as actors they would "
         "only add a round trip per block."

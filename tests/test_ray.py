@@ -182,6 +182,25 @@ def test_authority_down_raises_with_committed_text(ray_cascade, local_cascade):
     assert info.value.partial.finish_reason == "error" and info.value.partial.text == ""
 
 
+def test_authority_unresponsive_past_the_timeout(ray_cluster, family, tmp_path, local_cascade):
+    import signal
+
+    path = topology(tmp_path, family, "alone", levels=["large"], cpus=0.1, ray={"call_timeout_s": 3})
+    expected = local_cascade.generate(PROMPTS[1], max_new_tokens=16, temperature=0.0).token_ids
+    with Cascade.from_topology(path) as c:
+        pid = c.backend.info()["large"]["pid"]
+        state = c.engine.start(Request(c.tokenizer.encode(PROMPTS[1]), 16, Sampling(temperature=0.0)))
+        try:
+            with pytest.raises(WorkerError) as info:
+                for step, _ in enumerate(c.engine.run(state)):
+                    if step == 2:  # alive but frozen: no death for Ray to notice, only silence
+                        os.kill(pid, signal.SIGSTOP)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert info.value.level == "large" and "no answer" in str(info.value) and "3 s" in str(info.value)
+    assert info.value.partial == expected[:3]  # one token per step without drafts
+
+
 def test_cascade_run_as_a_ray_job(ray_cluster, family, tmp_path, local_cascade):
     from ray.job_submission import JobStatus, JobSubmissionClient
 

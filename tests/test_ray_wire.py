@@ -68,6 +68,8 @@ def test_fractional_gpus_open_a_new_bundle_when_full():
     ({"max_restarts": -1}, "ray.max_restarts"),
     ({"call_timeout_s": 0}, "ray.call_timeout_s"),
     ({"placement_timeout_s": -5}, "ray.placement_timeout_s"),
+    ({"start_timeout_s": 0}, "ray.start_timeout_s"),
+    ({"ngram_in_driver": "sometimes"}, "ray.ngram_in_driver"),
     ({"adress": "auto"}, "ray.adress"),
 ])
 def test_ray_section_errors_name_the_field(ray_section, field):
