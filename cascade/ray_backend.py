@@ -302,7 +302,14 @@ class RayWorker(Worker):
         for attempt in range(2):
             suffixes = [t[k:] for k, t in zip(keeps, seqs)]  # a few small ints: a list pickles fastest
             self.wire.sent += sum(4 * len(a) + 8 for a in suffixes) + 8 * len(seq_ids) + 24
-            result = self._call(method, seq_ids, keeps, suffixes, *args)
+            try:
+                result = self._call(method, seq_ids, keeps, suffixes, *args)
+            except WorkerError:
+                # The call may still run late on the actor and change what it holds: next
+                # time, send the whole sequences.
+                for s in seq_ids:
+                    self._sent.pop(s, None)
+                raise
             if result is not None:
                 for s, t in zip(seq_ids, seqs):
                     self._sent[s] = t
