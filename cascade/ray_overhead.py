@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=8, help="prompts to measure")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the in-process backend")
     p.add_argument("--address", default="local", help="Ray address (default: a private local runtime)")
@@ -49,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.limit + 1)
     warmup, prompts = prompts[0], prompts[1:]
-    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p)
     seconds = {"local": 0.0, "ray": 0.0}
     tokens = {"local": 0, "ray": 0}
     with Cascade.from_topology(args.topology, backend="local") as local, \
