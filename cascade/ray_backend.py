@@ -489,6 +489,11 @@ class RayBackend:
 
         return {name: ray.get(a.info.remote()) for name, a in self.actors.items()}
 
+    def reset_wire_stats(self) -> None:
+        for w in self.workers.values():
+            if isinstance(w, RayWorker):
+                w.wire = WireStats()
+
     def wire_stats(self) -> WireStats:
         total = WireStats()
         for w in self.workers.values():

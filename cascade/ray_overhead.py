@@ -60,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         cascades = {"local": local, "ray": remote}
         for c in cascades.values():
             c.generate(warmup, seed=args.seed, **kwargs)
-        for w in remote.workers.values():
-            w.wire = type(w.wire)()
+        remote.backend.reset_wire_stats()
         for i, prompt in enumerate(prompts):
             out = {}
             for name, c in cascades.items():

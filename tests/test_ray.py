@@ -104,16 +104,10 @@ def ray_cascade(ray_cluster, topo_path):
         yield c
 
 
-def wire_reset(c: Cascade):
-    for w in c.workers.values():
-        if hasattr(w, "wire"):
-            w.wire = type(w.wire)()
-
-
 def test_identical_tokens_and_wire_cost(ray_cascade, local_cascade):
     assert {type(w).__name__ for w in ray_cascade.workers.values()} == {"RayWorker"}  # ngram too, here
     vocab = ray_cascade.workers["large"].vocab_size
-    wire_reset(ray_cascade)
+    ray_cascade.backend.reset_wire_stats()
     greedy = ray_cascade.generate(PROMPTS, max_new_tokens=24, temperature=0.0)
     assert [g.token_ids for g in greedy] == [
         g.token_ids for g in local_cascade.generate(PROMPTS, max_new_tokens=24, temperature=0.0)]
