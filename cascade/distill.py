@@ -43,18 +43,34 @@ DEFAULT_WORK_DIR = "runs/distill"
 # --------------------------------------------------------------------------- CLI
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "distill",
         help="train draft models (or the whole tiny..large family) by distillation",
         description=(
-            "Train a tokenizer-compatible student against an HF causal-LM teacher on a code/text "
-            "corpus (KL to the teacher's soft targets mixed with cross-entropy), train a model "
-            "from scratch (--teacher none), or rebuild the whole bundled family with one "
-            "command: `cascade distill --family examples/models --corpus stdlib`. Checkpoints "
-            "are written to --work-dir and picked up automatically when the command is re-run."
+            "Train a tokenizer-compatible student against an HF causal-LM teacher on a code/text\n"
+            "corpus (KL to the teacher's soft targets mixed with cross-entropy), train a model from\n"
+            "scratch (--teacher none), or rebuild the whole bundled family with one command.\n"
+            "Checkpoints are written to --work-dir and picked up automatically when the same\n"
+            "command is re-run."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  # rebuild the bundled family (tokenizer, large from scratch, medium/small/tiny distilled)\n"
+            "  cascade distill --family examples/models --corpus stdlib --eval-corpus pkg:attr\n"
+            "  # one student (or several: repeat --size/--out) against any HF causal-LM teacher\n"
+            "  cascade distill --teacher examples/models/large --size tiny --corpus stdlib --out runs/tiny\n"
+            "  cascade distill --teacher my/teacher --size 2x96 --size 4x128 --corpus src/ --steps 2000\n"
+            "  # from scratch with cross-entropy, reusing a tokenizer\n"
+            "  cascade distill --teacher none --tokenizer examples/models/large --size 2x128 --corpus src/\n"
+            "  # measure a family (numbers of examples/models/README.md)\n"
+            "  cascade model-card examples/models"
+        ),
+        formatter_class=_HelpFormatter,
     )
     mode = p.add_argument_group("what to train")
     mode.add_argument("--family", metavar="DIR", help="rebuild the whole family (tokenizer, large from "
