@@ -399,7 +399,11 @@ class RayBackend:
         import ray
 
         spec = topo.spec.ray
-        owns = _connect(address or spec.address, spec.namespace)
+        address = address or spec.address
+        try:
+            owns = _connect(address, spec.namespace)
+        except ConnectionError as exc:
+            raise TopologyError(f"{topo.source}: ray.address: cannot connect to Ray at {address!r}: {exc}") from None
         backend = cls({}, None, owns)
         try:
             backend._place(topo, device)
