@@ -82,9 +82,24 @@ def save_model(model, tokenizer, out_dir: str | os.PathLike, dtype: str = "float
     m.generation_config.pad_token_id = tokenizer.pad_token_id
     m.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    portable_tokenizer_config(out)
     if extra:
         (out / "training.json").write_text(json.dumps(extra, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def portable_tokenizer_config(model_dir: str | os.PathLike) -> None:
+    """Name the tokenizer class ``PreTrainedTokenizerFast`` (transformers 5 writes its internal
+    ``TokenizersBackend``, which transformers 4.x cannot resolve; both load the former)."""
+    import json
+
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.exists():
+        return
+    cfg = json.loads(path.read_text())
+    if cfg.get("tokenizer_class") == "TokenizersBackend":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def count_params(model) -> int:
