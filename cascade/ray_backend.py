@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 import uuid
@@ -400,8 +401,11 @@ class RayBackend:
 
         spec = topo.spec.ray
         address = address or spec.address
+        # A private runtime declares enough logical CPUs for every level: the levels of a
+        # cascade compute one at a time, so on one machine they can share its cores.
+        wanted = sum(lv.resources.num_cpus for lv in topo.spec.levels)
         try:
-            owns = _connect(address, spec.namespace)
+            owns = _connect(address, spec.namespace, max(os.cpu_count() or 1, math.ceil(wanted)))
         except ConnectionError as exc:
             raise TopologyError(f"{topo.source}: ray.address: cannot connect to Ray at {address!r}: {exc}") from None
         backend = cls({}, None, owns)
@@ -531,7 +535,7 @@ class RayBackend:
             self.owns_runtime = False
 
 
-def _connect(address: str | None, namespace: str | None) -> bool:
+def _connect(address: str | None, namespace: str | None, local_cpus: int) -> bool:
     """Make sure this process is connected to Ray; True when cascade started (owns) the runtime.
 
     A process already connected (the caller's own ``ray.init``) is used as it is.
@@ -547,7 +551,7 @@ def _connect(address: str | None, namespace: str | None) -> bool:
         # A private runtime on this machine, reachable on loopback only. Its actors are the
         # work itself, not background tasks: Ray's default (workers niced by 15) would let any
         # other process on the machine starve the models while the driver waits on them.
-        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+        ray.init(address="local", num_cpus=local_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  _system_config={"worker_niceness": 0}, **kwargs)
         return True
     ray.init(address=address, **kwargs)
