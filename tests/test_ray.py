@@ -123,6 +123,9 @@ def test_identical_tokens_and_wire_cost(ray_cascade, local_cascade):
     kwargs = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=5)
     sampled = ray_cascade.generate(PROMPTS, **kwargs)
     assert [g.token_ids for g in sampled] == [g.token_ids for g in local_cascade.generate(PROMPTS, **kwargs)]
+    # both prompts in flight at once: every remote call carries two sequences
+    batched = ray_cascade.generate(PROMPTS, batch_size=2, **kwargs)
+    assert [g.token_ids for g in batched] == [g.token_ids for g in sampled]
     assert sampled[0].token_ids != greedy[0].token_ids
     # the drafts took part over Ray as in-process
     assert all(e.proposed > 0 for e in sampled[0].stats.edges.values() if not e.proposed == 0) and \
