@@ -1,4 +1,5 @@
-"""The Ray backend: each level runs in one Ray actor that wraps the same worker class as in-process.
+"""The Ray backend: each model level runs in one Ray actor that wraps the same worker class as
+in-process (a model-free n-gram level stays in the driver unless ``ray.ngram_in_driver`` is off).
 
 Ray stays at this edge. :class:`LevelActor` is a plain class (``ray.remote`` is applied when the
 actors are created) that builds the level's worker with :func:`cascade.api.build_worker`;
@@ -11,7 +12,8 @@ actor keeps the last sequence it was sent; after a restart it asks for the whole
 and the actor answers with sampling rows, not logits: warping happens next to the model and only
 the nonzero entries travel, so a greedy row is one (index, value) pair. Verification needs
 exactly those rows (DESIGN.md §2); nothing is rounded, so results are bit-identical to the
-in-process backend.
+in-process backend. Messages are plain tuples of ints and bytes, which Ray pickles fastest.
+A level with a stop rule gets logits instead (the rule reads the model's own distribution).
 
 Faults. Actors restart up to ``ray.max_restarts`` times and Ray re-runs the interrupted call on
 the new actor, which rebuilds its cache from the full sequence (the worker reconciles its cache
