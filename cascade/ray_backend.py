@@ -428,7 +428,11 @@ class RayBackend:
         spec = topo.spec.ray
         everything = list(enumerate(topo.spec.levels))
         in_driver = {lv.name for _, lv in everything if lv.kind == "ngram" and spec.ngram_in_driver}
+        in_driver |= set(spec.in_driver)
         levels = [(i, lv) for i, lv in everything if lv.name not in in_driver]
+        if not levels:
+            raise TopologyError(f"{topo.source}: ray.in_driver: every level would run in the driver; "
+                                "use backend: local")
         bundles, bundle_of = plan_bundles([lv for _, lv in levels])
         bundle_of = {i: b for (i, _), b in zip(levels, bundle_of)}
         tag = uuid.uuid4().hex[:8]
@@ -453,19 +457,23 @@ class RayBackend:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, bundle_of[i]),
             ).remote(build, max(1, int(r.num_cpus)))
 
-        # Model levels first (they load in parallel), then n-gram levels with the authority's vocabulary.
+        # Model levels first (they load in parallel; the driver's while the actors load), then
+        # n-gram levels with the authority's vocabulary.
         infos: dict[str, dict] = {}
         for i, level in levels:
             if level.kind != "ngram":
                 self.actors[level.name] = create(i, level, None)
+        workers: dict[str, Worker] = {
+            lv.name: build_worker(lv, level_model_path(topo, lv), i, topo.source, device)
+            for i, lv in everything if lv.name in in_driver and lv.kind != "ngram"}
         self._collect(infos, spec.start_timeout_s)
-        vocab = infos[topo.authority]["vocab_size"]
+        vocab = infos[topo.authority]["vocab_size"] if topo.authority in infos else workers[topo.authority].vocab_size
         for i, level in levels:
             if level.kind == "ngram":
                 self.actors[level.name] = create(i, level, vocab)
         self._collect(infos, spec.start_timeout_s)
-        workers: dict[str, Worker] = {
-            lv.name: build_worker(lv, None, i, topo.source, None, vocab) for i, lv in everything if lv.name in in_driver}
+        workers.update({lv.name: build_worker(lv, None, i, topo.source, None, vocab)
+                        for i, lv in everything if lv.name in in_driver and lv.kind == "ngram"})
         check_vocab_sizes(topo, {**{name: info["vocab_size"] for name, info in infos.items()},
                                  **{name: w.vocab_size for name, w in workers.items()}})
         for name, info in infos.items():

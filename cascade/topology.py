@@ -99,6 +99,10 @@ class RaySpec(BaseModel):
         True, description="Run model-free n-gram levels in the driver process: as actors they would "
         "only add a round trip per block."
     )
+    in_driver: list[str] = Field(
+        default_factory=list, description="Levels to run in the driver process instead of an actor, "
+        "e.g. a drafter whose forward pass is shorter than a round trip."
+    )
 
 
 class PolicySpec(BaseModel):
@@ -137,6 +141,9 @@ class TopologySpec(BaseModel):
                     raise ValueError(f"edges[{i}]: unknown level {end!r}")
             if a == b:
                 raise ValueError(f"edges[{i}]: a level cannot propose to itself ({a!r})")
+        for i, name in enumerate(self.ray.in_driver):
+            if name not in seen:
+                raise ValueError(f"ray.in_driver[{i}]: unknown level {name!r}")
         return self
 
     def level(self, name: str) -> LevelSpec:

@@ -203,7 +203,8 @@ def test_cascade_run_as_a_ray_job(ray_cluster, family, tmp_path, local_cascade):
 
     workdir = tmp_path / "job"
     workdir.mkdir()
-    topology(workdir, family, "t", levels=["small", "large"], ngram=True, cpus=0.1)  # ngram in the driver
+    # ngram (by default) and small (ray.in_driver) run in the job's driver, large in an actor
+    topology(workdir, family, "t", levels=["small", "large"], ngram=True, cpus=0.1, ray={"in_driver": ["small"]})
     (workdir / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out" / "results.jsonl"
     client = JobSubmissionClient(ray_cluster["dashboard"])

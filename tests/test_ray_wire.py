@@ -70,6 +70,7 @@ def test_fractional_gpus_open_a_new_bundle_when_full():
     ({"placement_timeout_s": -5}, "ray.placement_timeout_s"),
     ({"start_timeout_s": 0}, "ray.start_timeout_s"),
     ({"ngram_in_driver": "sometimes"}, "ray.ngram_in_driver"),
+    ({"in_driver": ["nope"]}, "ray.in_driver[0]"),
     ({"adress": "auto"}, "ray.adress"),
 ])
 def test_ray_section_errors_name_the_field(ray_section, field):
