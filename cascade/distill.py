@@ -106,6 +106,12 @@ def add_parser(sub) -> None:
                      "schedule follows time when that is further along than steps)")
     opt.add_argument("--teacher-minutes", type=float, default=None, help="--family: time budget for the large model")
     opt.add_argument("--student-minutes", type=float, default=None, help="--family: time budget for the students")
+    opt.add_argument("--refine-steps", type=int, default=0,
+                     help="--family: stage 4, continue training large against the ensemble of the "
+                     "distilled medium and small (born-again refinement, KL + CE); 0 = off")
+    opt.add_argument("--refine-minutes", type=float, default=None, help="--family: time budget for stage 4")
+    opt.add_argument("--refine-lr", type=float, default=6e-4, help="--family: peak LR of stage 4")
+    opt.add_argument("--refine-kl-weight", type=float, default=0.5, help="--family: KL weight of stage 4")
     opt.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3 for "
                      "students, 1.5e-3 from scratch)")
     opt.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine schedule floor / peak")
@@ -403,6 +409,33 @@ def train_students(
 
 
 
+class EnsembleTeacher:
+    """Averages the next-token distributions of several causal LMs (same tokenizer).
+
+    Called like a model; ``.logits`` are the log of the mean probability (a valid logit vector).
+    """
+
+    def __init__(self, members):
+        self.members = list(members)
+
+    def to(self, device):
+        self.members = [m.to(device) for m in self.members]
+        return self
+
+    def eval(self):
+        for m in self.members:
+            m.eval()
+        return self
+
+    def __call__(self, input_ids):
+        import torch
+        from types import SimpleNamespace
+
+        logps = [torch.log_softmax(m(input_ids=input_ids).logits.float(), -1) for m in self.members]
+        mixed = torch.logsumexp(torch.stack(logps), 0) - math.log(len(logps))
+        return SimpleNamespace(logits=mixed)
+
+
 def eval_loss(model, windows, device=None, batch_size: int = 8) -> float:
     """Mean next-token cross-entropy (nats/token) of ``model`` over fixed windows [n, L+1]."""
     import torch
@@ -619,6 +652,41 @@ def run_family(args) -> int:
             save_model(m, tokenizer, family_dir / lv, dtype=args.save_dtype, extra=extra)
             log(f"{lv}: saved -> {family_dir / lv}", work_dir)
         (work_dir / "students" / "done").write_text("ok\n")
+
+    # 4. optional: refine the large model against the ensemble of the distilled medium and small
+    refine_dir = work_dir / "refine"
+    if args.refine_steps > 0 and (args.restart or not (refine_dir / "done").exists()):
+        members = [AutoModelForCausalLM.from_pretrained(family_dir / lv, dtype=torch.float32).to(device).eval()
+                   for lv in ("medium", "small")]
+        teacher = EnsembleTeacher(members)
+        sampler = WindowSampler(data, args.seq_len, args.batch_size, seed=args.seed + 2)
+        for p in large.parameters():
+            p.requires_grad_(True)
+        log(f"large: refining against the ensemble of medium+small for {args.refine_steps} steps", work_dir)
+        summary = train_students(
+            {"large": large}, teacher, sampler, args.refine_steps, ckpt_path=refine_dir / "checkpoint.pt",
+            lr=args.refine_lr, warmup=min(args.warmup, 20), min_lr_ratio=args.min_lr_ratio,
+            weight_decay=args.weight_decay, grad_clip=args.grad_clip, kl_weight=args.refine_kl_weight,
+            temperature=1.0, device=device, amp=use_amp(args.amp, device),
+            checkpoint_minutes=args.checkpoint_minutes, checkpoint_every=args.checkpoint_every,
+            time_budget_minutes=args.refine_minutes, stop_after=args.stop_after, resume=resume,
+            progress=not args.no_progress, desc="refine", work_dir=work_dir)
+        if summary["interrupted"]:
+            return 0
+        info = json.loads((large_done / "training.json").read_text())
+        info["refine"] = {"teacher": "ensemble(medium, small)", "steps": summary["steps"],
+                          "train_tokens": summary["steps"] * args.batch_size * args.seq_len,
+                          "train_seconds": round(summary["train_seconds"], 1), "lr": args.refine_lr,
+                          "kl_weight": args.refine_kl_weight}
+        info["train_tokens"] += info["refine"]["train_tokens"]
+        info["train_seconds"] = round(info["train_seconds"] + info["refine"]["train_seconds"], 1)
+        if windows is not None:
+            info["eval_loss"] = eval_loss(large, windows)
+            log(f"large (refined): held-out loss {info['eval_loss']:.4f}", work_dir)
+        save_model(large, tokenizer, family_dir / "large", dtype=args.save_dtype, extra=info)
+        save_model(large, tokenizer, refine_dir / "final", dtype="float32", extra=info)
+        (refine_dir / "done").write_text("ok\n")
+        log(f"large (refined): saved -> {family_dir / 'large'}", work_dir)
     log("family build complete", work_dir)
     return 0
 

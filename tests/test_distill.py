@@ -180,3 +180,15 @@ def test_help_documents_the_family_command(capsys):
     for flag in ("--family", "--teacher", "--size", "--corpus", "--resume", "--device", "--seed"):
         assert flag in out
     assert "cascade distill --family examples/models" in " ".join(out.split())
+
+
+def test_ensemble_teacher_averages_probabilities(teacher_dir):
+    a = transformers.AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    torch.manual_seed(5)
+    b = transformers.LlamaForCausalLM(a.config).eval()
+    x = torch.randint(0, a.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        mixed = distill.EnsembleTeacher([a, b])(input_ids=x).logits
+        pa, pb = (torch.softmax(m(input_ids=x).logits, -1) for m in (a, b))
+    assert torch.allclose(mixed.exp(), (pa + pb) / 2, atol=1e-6)
+    assert torch.allclose(mixed.exp().sum(-1), torch.ones(2, 9), atol=1e-5)
