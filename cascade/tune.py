@@ -15,10 +15,11 @@ from pathlib import Path
 from cascade.commands import DEFAULT_TOPOLOGY, guarded
 
 
-def measure(c, prompts: list[str], lookahead: dict[str, int], max_new_tokens: int) -> float:
+def measure(c, prompts: list[str], lookahead: dict[str, int], max_new_tokens: int,
+            path: list[str] | None = None) -> float:
     from policies.fixed import FixedPolicy
 
-    policy = FixedPolicy(dict(lookahead))
+    policy = FixedPolicy(dict(lookahead), path=path)
     tokens = seconds = 0.0
     for prompt in prompts:
         g = c.generate(prompt, max_new_tokens=max_new_tokens, temperature=0.0, policy=policy)
@@ -28,14 +29,15 @@ def measure(c, prompts: list[str], lookahead: dict[str, int], max_new_tokens: in
 
 
 def tune_fixed(c, prompts: list[str], max_new_tokens: int = 64, max_lookahead: int = 8, passes: int = 2,
-               start: dict[str, int] | None = None, log=print) -> tuple[dict[str, int], float, list[dict]]:
+               start: dict[str, int] | None = None, log=print, path: list[str] | None = None
+               ) -> tuple[dict[str, int], float, list[dict]]:
     from policies.base import longest_path
 
-    path = longest_path(c.topology.graph, c.topology.authority)
+    path = list(path or longest_path(c.topology.graph, c.topology.authority))
     lookahead = dict(start or {n: min(max_lookahead, 2 + 2 * i) for i, n in enumerate(path[:-1])})
-    measure(c, prompts[:1], lookahead, 16)  # warm-up
+    measure(c, prompts[:1], lookahead, 16, path)  # warm-up
     history = []
-    best = measure(c, prompts, lookahead, max_new_tokens)
+    best = measure(c, prompts, lookahead, max_new_tokens, path)
     history.append({"lookahead": dict(lookahead), "tokens_per_second": best})
     for _ in range(passes):
         improved = False
@@ -45,7 +47,7 @@ def tune_fixed(c, prompts: list[str], max_new_tokens: int = 64, max_lookahead: i
                 if k == current:
                     continue
                 trial = dict(lookahead, **{level: k})
-                rate = measure(c, prompts, trial, max_new_tokens)
+                rate = measure(c, prompts, trial, max_new_tokens, path)
                 history.append({"lookahead": trial, "tokens_per_second": rate})
                 if rate > best:
                     best, lookahead, improved = rate, trial, True
@@ -65,6 +67,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-lookahead", type=int, default=8)
     p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--path", default=None, help="comma-separated levels ending at the authority (default: the longest)")
     p.add_argument("--out", default=None, help="write the result and every trial as JSON here")
     p.set_defaults(func=_main)
 
@@ -77,9 +80,12 @@ def _main(args) -> int:
     prompts = load_prompts(args.prompts, args.num_prompts)
     t0 = time.perf_counter()
     with Cascade.from_topology(args.topology) as c:
+        path = args.path.split(",") if args.path else None
         lookahead, best, history = tune_fixed(c, prompts, args.max_new_tokens, args.max_lookahead, args.passes,
-                                              log=lambda m: print(m, file=sys.stderr))
+                                              log=lambda m: print(m, file=sys.stderr), path=path)
     spec = "fixed:lookahead={" + ", ".join(f"{k}: {v}" for k, v in lookahead.items()) + "}"
+    if path:
+        spec += ",path=[" + ", ".join(path) + "]"
     print(f"best fixed lookahead: {lookahead}  ({best:.1f} tok/s, {len(history)} trials, "
           f"{time.perf_counter() - t0:.0f} s)")
     print(f"policy spec: '{spec}'")

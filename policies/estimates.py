@@ -65,9 +65,8 @@ class LevelCost:
     seconds: float | None = None
 
     def observe(self, seconds: float, passes: int) -> None:
-        if passes <= 0:
-            return
-        per_pass = seconds / passes
+        # A level without forward passes (prompt lookup) still costs its call time.
+        per_pass = seconds / max(1, passes)
         self.seconds = per_pass if self.seconds is None else self.decay * self.seconds + (1 - self.decay) * per_pass
 
 
