@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The measurements behind the README and the closing notes (run from the repo root).
+export OMP_NUM_THREADS=1
+R=examples/reports
+mkdir -p $R
+date
+/usr/bin/time -f "demo wall %e s" cascade demo 2>&1 | grep -v "Loading weights" > $R/demo.txt
+date
+cascade tune --topology topologies/4level.yaml --prompts examples/prompts/tuning.jsonl --num-prompts 12 \
+    --max-new-tokens 64 --passes 1 --path tiny,large --out $R/tune-tiny-large.json 2>&1 | grep -v "Loading weights" | tail -3 > $R/tune.txt
+date
+BEST=$(python -c "import json; print(json.load(open('$R/tune-tiny-large.json'))['policy'])")
+echo "best fixed: $BEST" >> $R/tune.txt
+cascade ab --topology topologies/4level.yaml --a "$BEST" --b auto --prompts examples/prompts/heldout.jsonl \
+    --max-new-tokens 96 --repeats 2 --out $R/ab-auto-vs-best-fixed --no-progress 2>&1 | grep -v "Loading weights" > $R/ab.txt
+date
+cascade bench --topology topologies/4level.yaml --prompts examples/prompts/heldout.jsonl --num-prompts 12 \
+    --max-new-tokens 96 --out $R/bench --no-progress 2>&1 | grep -v "Loading weights" > $R/bench.txt
+date
+cascade bench --topology topologies/4level.yaml --batch-sizes 1,4,16,64 --max-new-tokens 32 \
+    --out $R/batch --no-progress 2>&1 | grep -v "Loading weights" > $R/batch.txt
+date
