@@ -233,6 +233,13 @@ def acceptance_matrix(models: dict, tokenizer, prompts, new_tokens: int = 64, te
 # --------------------------------------------------------------------------- report
 
 
+def _teacher_text(meta: dict) -> str:
+    text = meta.get("teacher") or "none (cross-entropy)"
+    if meta.get("refine"):
+        text += f", then refined against {meta['refine'].get('teacher')} ({meta['refine'].get('steps')} steps)"
+    return text
+
+
 def markdown(results: dict) -> str:
     levels = results["levels"]
     meta = results["meta"]
@@ -245,9 +252,10 @@ def markdown(results: dict) -> str:
         ts = m.get("train_seconds")
         lines.append(f"| {lv} | {m['layers']} x {m['hidden']} ({m['heads']}, {m['intermediate']}) | {m['params']:,} "
                      f"| {m['weights_mib']:.2f} | {f'{tt / 1e6:.2f} M' if tt else '?'} "
-                     f"| {f'{ts / 60:.1f} min' if ts else '?'} | {m.get('teacher') or 'none (cross-entropy)'} |")
+                     f"| {f'{ts / 60:.1f} min' if ts else '?'} | {_teacher_text(m)} |")
     total = sum(meta[lv]["weights_mib"] for lv in levels)
-    lines += ["", f"All weights together: {total:.2f} MiB.", ""]
+    lines += ["", f"All weights together: {total:.2f} MiB. Training time is wall-clock time on a 2-core CPU "
+              "shared with other jobs; the three students were trained together in one process.", ""]
     if "loss" in results:
         lines += ["### Held-out loss", "", "| level | loss (nats/token) | perplexity |", "|---|---:|---:|"]
         for lv in levels:
