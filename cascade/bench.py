@@ -202,7 +202,6 @@ def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repe
     if not any(lv.kind == "ngram" for lv in topo.spec.levels):  # add the free level for the ngram configs
         data = topo.spec.model_dump()
         data["levels"].insert(0, {"name": "ngram", "kind": "ngram"})
-        data["edges"] = None
         hf = [lv["name"] for lv in data["levels"]]
         data["edges"] = [list(e) for e in zip(hf, hf[1:])]
         data["policy"] = {"name": "fixed", "params": {}}
