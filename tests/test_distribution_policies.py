@@ -50,5 +50,7 @@ def test_joint_distribution_under_adaptive_policies(tmp_path, name, params):
     stops = sum(s.early_stops for s in total.levels.values())
     if name in ("confidence", "entropy", "auto"):
         assert stops > 100, total
-    if name in ("escalation", "auto", "cost-aware"):
+    if name in ("escalation", "auto"):  # more than one path was taken
         assert len(total.edges) >= 2 and all(e.proposed > 0 for e in total.edges.values()), total
+    if name == "cost-aware":  # its lookahead put drafts in front of the verifier
+        assert sum(e.proposed for e in total.edges.values()) > 100, total
