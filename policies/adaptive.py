@@ -38,9 +38,15 @@ class _PathMixin:
         self.path_param = list(path) if path is not None else None
         self._paths = {}
 
-    def _bind_path(self, graph: nx.DiGraph, authority: str) -> None:
+    def bind(self, graph: nx.DiGraph, authority: str) -> None:
+        super().bind(graph, authority)
         if self.path_param is not None:
             check_path(graph, authority, self.path_param)
+
+    def _stop_plan(self, ctx: PlanContext, lookahead: int, rule) -> StepPlan:
+        """The path, one lookahead for every proposing level, and one stop rule for each."""
+        path = self._path(ctx)
+        return StepPlan(path, {n: lookahead for n in path[:-1]}, {n: rule for n in path[:-1]})
 
     def _path(self, ctx: PlanContext) -> tuple[str, ...]:
         if self.path_param is not None and all(n in ctx.available for n in self.path_param):
@@ -64,14 +70,8 @@ class ConfidencePolicy(_PathMixin, Policy):
         self.mode = mode
         self._init_path(path)
 
-    def bind(self, graph, authority):
-        super().bind(graph, authority)
-        self._bind_path(graph, authority)
-
     def plan(self, ctx: PlanContext) -> StepPlan:
-        path = self._path(ctx)
-        rule = ConfidenceStop(self.threshold, self.mode)
-        return StepPlan(path, {n: self.lookahead for n in path[:-1]}, {n: rule for n in path[:-1]})
+        return self._stop_plan(ctx, self.lookahead, ConfidenceStop(self.threshold, self.mode))
 
 
 class EntropyPolicy(_PathMixin, Policy):
@@ -90,14 +90,8 @@ class EntropyPolicy(_PathMixin, Policy):
         self.rate = _check_unit("rate", rate)
         self._init_path(path)
 
-    def bind(self, graph, authority):
-        super().bind(graph, authority)
-        self._bind_path(graph, authority)
-
     def plan(self, ctx: PlanContext) -> StepPlan:
-        path = self._path(ctx)
-        rule = EntropyStop(self.threshold)
-        return StepPlan(path, {n: self.lookahead for n in path[:-1]}, {n: rule for n in path[:-1]})
+        return self._stop_plan(ctx, self.lookahead, EntropyStop(self.threshold))
 
     def observe(self, feedback: StepFeedback) -> None:
         for e in feedback.edges:
@@ -133,10 +127,6 @@ class CostAwarePolicy(_PathMixin, Policy):
         self.estimates = Estimates(prior=_check_unit("prior", prior), decay=_check_unit("decay", decay))
         self.rng = random.Random(seed)
         self._init_path(path)
-
-    def bind(self, graph, authority):
-        super().bind(graph, authority)
-        self._bind_path(graph, authority)
 
     def _explore(self, lookahead: dict[str, int]) -> dict[str, int]:
         """With probability ``explore``, try a random lookahead (>= 1) on one edge, so that an
