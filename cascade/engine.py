@@ -32,7 +32,7 @@ from cascade.errors import RequestError, WorkerError
 from cascade.sampling import Sampling, SamplingOverride
 from cascade.stats import RequestStats
 from cascade.verify import sample_with_uniform, verify_block
-from policies.base import EdgeOutcome, PlanContext, Policy, PolicyError, StepFeedback, StepPlan, draft_step
+from policies.base import EdgeOutcome, PassCost, PlanContext, Policy, PolicyError, StepFeedback, StepPlan, draft_step
 from workers.base import Worker
 
 
@@ -65,6 +65,7 @@ class _StepRecord:
     seconds: dict[str, float] = field(default_factory=dict)
     passes: dict[str, int] = field(default_factory=dict)
     confidence: list[float] = field(default_factory=list)  # the first level's own token probabilities
+    draft_confidence: list[float] | None = None  # those of the block drafted last, until it is verified
 
     def cost(self, level: str, seconds: float, passes: int) -> None:
         s = self.stats.level(level)
@@ -76,7 +77,10 @@ class _StepRecord:
     def edge(self, proposer: str, verifier: str, proposed: int, accepted: int) -> None:
         self.stats.edge(proposer, verifier).observe(proposed, accepted)
         self.stats.level(proposer).tokens_proposed += proposed
-        self.edges.append(EdgeOutcome(proposer, verifier, proposed, accepted))
+        confidence, self.draft_confidence = self.draft_confidence, None
+        if confidence is not None:
+            confidence = tuple(confidence[:proposed])
+        self.edges.append(EdgeOutcome(proposer, verifier, proposed, accepted, confidence))
 
 
 class Engine:
@@ -156,9 +160,9 @@ class Engine:
         base = state.request.sampling
         return override.apply(base) if (override is not None and level != self.authority) else base
 
-    def _extend(self, group, plan, i, prefixes, budgets, records) -> list[tuple[list[int], torch.Tensor | None]]:
+    def _extend(self, group, plan, i, prefixes, budgets, records, policy) -> list[tuple[list[int], torch.Tensor | None]]:
         try:
-            return self._extend_level(group, plan, i, prefixes, budgets, records)
+            return self._extend_level(group, plan, i, prefixes, budgets, records, policy)
         except WorkerError as exc:
             if exc.level is None:  # name the failing level (the innermost call sets it first)
                 exc.level = plan.path[i]
@@ -172,6 +176,7 @@ class Engine:
         prefixes: list[list[int]],
         budgets: list[int],
         records: list["_StepRecord"],
+        policy: Policy,
     ) -> list[tuple[list[int], torch.Tensor | None]]:
         """For each sequence, up to ``budgets[b]`` exact samples of level ``plan.path[i]`` after
         ``prefixes[b]``, with the rows they were sampled from. Every forward pass covers all the
@@ -188,11 +193,16 @@ class Engine:
             t0 = time.perf_counter()
             drafts = worker.draft([group[b].seq_id for b in todo], [prefixes[b] for b in todo],
                                   [budgets[b] for b in todo], sampling, uniforms, stop)
-            share = (time.perf_counter() - t0) / max(1, len(todo))
+            seconds = time.perf_counter() - t0
+            share = seconds / max(1, len(todo))
+            if todo:
+                policy.observe_pass(PassCost(level, len(todo), max(d.forward_passes for d in drafts),
+                                             sum(d.forward_passes for d in drafts), seconds))
             results: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in range(n)]
             for b, draft in zip(todo, drafts):
                 records[b].cost(level, share, draft.forward_passes)
                 records[b].confidence.extend(draft.confidence or [])
+                records[b].draft_confidence = draft.confidence if draft.tokens else None
                 records[b].stats.level(level).early_stops += draft.stopped_early
                 results[b] = (draft.tokens, draft.probs)
             return results
@@ -214,7 +224,7 @@ class Engine:
             need = [b for b in active if ks[b] > 0]
             if need:
                 got = self._extend([group[b] for b in need], plan, i - 1, [prefixes[b] + outs[b] for b in need],
-                                   [ks[b] for b in need], [records[b] for b in need])
+                                   [ks[b] for b in need], [records[b] for b in need], policy)
                 subs.update(zip(need, got))
             scored = ([group[b].seq_id for b in active], [prefixes[b] + outs[b] + subs[b][0] for b in active],
                       [len(subs[b][0]) + 1 for b in active])
@@ -227,7 +237,9 @@ class Engine:
             else:  # the stop rule reads the model's own logits
                 logits = worker.score(*scored)
                 level_probs = [sampling.probs(x) for x in logits]
-            share = (time.perf_counter() - t0) / len(active)
+            seconds = time.perf_counter() - t0
+            share = seconds / len(active)
+            policy.observe_pass(PassCost(level, len(active), 1, sum(scored[2]), seconds))
             for a, b in enumerate(active):
                 records[b].cost(level, share, 1)
                 sub_tokens, sub_probs = subs[b]
@@ -307,7 +319,7 @@ class Batch:
         records = [_StepRecord(s.stats) for s in group]
         prefixes = [s.request.prompt_ids + s.generated for s in group]
         try:
-            outs = engine._extend(group, plan, len(plan.path) - 1, prefixes, remaining, records)
+            outs = engine._extend(group, plan, len(plan.path) - 1, prefixes, remaining, records, self.policy)
         except WorkerError as exc:
             if not self._drop_level(exc, group):
                 for s in group:
@@ -320,7 +332,7 @@ class Batch:
             state.stats.steps += 1
             confidence = sum(record.confidence) / len(record.confidence) if record.confidence else None
             self.policy.observe(StepFeedback(plan, tuple(record.edges), record.seconds, record.passes, len(new),
-                                             confidence))
+                                             confidence, state.seq_id))
             for j, tok in enumerate(new):
                 if tok in engine.eos_token_ids:
                     new = new[: j + 1]

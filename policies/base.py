@@ -100,6 +100,9 @@ class EdgeOutcome:
     verifier: str
     proposed: int
     accepted: int
+    # the proposer's own (T=1) probability of each proposed token, where the proposer drafted
+    # them (the path's first level); None for blocks built by verification below
+    confidence: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,19 @@ class StepFeedback:
     level_passes: dict[str, int]
     committed: int
     confidence: float | None = None  # mean probability the path's first level gave its drafts
+    seq_id: str | None = None  # the sequence this step advanced
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """What one worker call cost: ``passes`` forward passes of ``level`` over ``sequences``
+    sequences, ``tokens`` positions scored in all (the sum over sequences and passes)."""
+
+    level: str
+    sequences: int
+    passes: int
+    tokens: int
+    seconds: float
 
 
 class PolicyError(ValueError):
@@ -135,7 +151,10 @@ class Policy(abc.ABC):
     def plan(self, ctx: PlanContext) -> StepPlan: ...
 
     def observe(self, feedback: StepFeedback) -> None:
-        """Learn from one step's outcome. The default learns nothing."""
+        """Learn from one step's outcome (called once per sequence). The default learns nothing."""
+
+    def observe_pass(self, cost: PassCost) -> None:
+        """Learn from the cost of one worker call (shared by the sequences it covered)."""
 
 
 def longest_path(graph: nx.DiGraph, authority: str, available: frozenset[str] | None = None) -> tuple[str, ...]:
@@ -154,5 +173,5 @@ def longest_path(graph: nx.DiGraph, authority: str, available: frozenset[str] | 
 
 __all__ = [
     "DraftStep", "draft_step", "StopRule", "PlanContext", "StepPlan", "EdgeOutcome",
-    "StepFeedback", "Policy", "PolicyError", "longest_path",
+    "StepFeedback", "PassCost", "Policy", "PolicyError", "longest_path",
 ]
