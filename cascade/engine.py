@@ -211,7 +211,7 @@ class Engine:
         top = i == len(plan.path) - 1
         outs: list[list[int]] = [[] for _ in range(n)]
         rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        block_prob = [1.0] * n
+        last: list = [None] * n  # each sequence's previous DraftStep in this block (stop rules)
         stopped = [False] * n
         while True:
             active = [b for b in range(n) if not stopped[b] and len(outs[b]) < budgets[b]]
@@ -255,8 +255,7 @@ class Engine:
                     outs[b].append(tok)
                     rows[b].append(level_probs[a][j])
                     if stop is not None and not top and len(outs[b]) < budgets[b]:
-                        step = draft_step(len(outs[b]) - 1, logits[a][j], tok, block_prob[b])
-                        block_prob[b] = step.block_prob
+                        step = last[b] = draft_step(len(outs[b]) - 1, logits[a][j], tok, previous=last[b])
                         if stop.should_stop(step):
                             records[b].stats.level(level).early_stops += 1
                             stopped[b] = True

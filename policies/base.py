@@ -24,13 +24,15 @@ class DraftStep:
     about how sure the model was. ``max_prob`` and ``entropy`` are computed on first use.
     """
 
-    __slots__ = ("index", "token_prob", "block_prob", "_logits", "_max_prob", "_entropy")
+    __slots__ = ("index", "token_prob", "block_prob", "previous", "memo", "_logits", "_max_prob", "_entropy")
 
     def __init__(self, index: int, token_prob: float, block_prob: float, logits: torch.Tensor | None = None,
-                 max_prob: float | None = None, entropy: float | None = None):
+                 max_prob: float | None = None, entropy: float | None = None, previous: "DraftStep | None" = None):
         self.index = index  # 0-based position of this token in the block
         self.token_prob = token_prob  # the model's probability of the drafted token
         self.block_prob = block_prob  # product of token_prob over the block so far
+        self.previous = previous  # the step before in the same block (None at index 0)
+        self.memo = None  # a stop rule may keep its running state here (read via ``previous.memo``)
         self._logits = logits  # [vocab]
         self._max_prob = max_prob
         self._entropy = entropy
@@ -51,11 +53,16 @@ class DraftStep:
         return self._entropy
 
 
-def draft_step(index: int, logits: torch.Tensor, token: int, prev_block_prob: float) -> DraftStep:
-    """The :class:`DraftStep` for a token drafted from ``logits`` [vocab]."""
+def draft_step(index: int, logits: torch.Tensor, token: int, prev_block_prob: float = 1.0,
+               previous: DraftStep | None = None) -> DraftStep:
+    """The :class:`DraftStep` for a token drafted from ``logits`` [vocab], after ``previous``
+    (the block's step before; its ``block_prob`` then replaces ``prev_block_prob``)."""
     logits = logits.to(torch.float64)
     token_prob = float(torch.exp(logits[token] - torch.logsumexp(logits, -1)))
-    return DraftStep(index, token_prob, prev_block_prob * token_prob, logits)
+    if previous is not None:
+        prev_block_prob = previous.block_prob
+        previous.previous = None  # keep one link: a rule reads its state from the step before
+    return DraftStep(index, token_prob, prev_block_prob * token_prob, logits, previous=previous)
 
 
 class StopRule(abc.ABC):

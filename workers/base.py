@@ -77,7 +77,7 @@ class Worker(abc.ABC):
         early where ``stop`` says so. All still-drafting sequences share each forward pass."""
         drafted: list[list[int]] = [[] for _ in seq_ids]
         rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]
-        block_prob = [1.0] * len(seq_ids)
+        last: list = [None] * len(seq_ids)  # each sequence's previous DraftStep in this block
         passes = [0] * len(seq_ids)
         confidence: list[list[float]] = [[] for _ in seq_ids]
         stopped = [False] * len(seq_ids)
@@ -96,8 +96,7 @@ class Worker(abc.ABC):
                 drafted[b].append(token)
                 rows[b].append(probs)
                 passes[b] += 1
-                step = draft_step(j, row_logits[-1], token, block_prob[b])
-                block_prob[b] = step.block_prob
+                step = last[b] = draft_step(j, row_logits[-1], token, previous=last[b])
                 confidence[b].append(step.token_prob)
                 done = len(drafted[b]) >= max_tokens[b]
                 if not done and stop is not None and stop.should_stop(step):
