@@ -54,6 +54,19 @@ class RequestState:
     stats: RequestStats
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "length", "eos", "stop" or "context"
+    # per level, the tokens its cache holds (as far as the engine can tell): what a call
+    # really feeds, prefill included, is priced for the policy's cost model
+    level_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    def fed(self, level: str, tokens: list[int], num_positions: int, cached_after: int) -> int:
+        """Positions a call on ``level`` computes for this sequence: those of ``tokens`` past
+        the level's cached prefix (at least ``num_positions``); then the level holds
+        ``tokens[:cached_after]``."""
+        held = self.level_tokens.get(level, [])
+        n = min(len(held), len(tokens) - num_positions)
+        keep = n if held[:n] == tokens[:n] else next((i for i in range(n) if held[i] != tokens[i]), n)
+        self.level_tokens[level] = tokens[:cached_after]
+        return len(tokens) - keep
 
 
 @dataclass
@@ -196,8 +209,10 @@ class Engine:
             seconds = time.perf_counter() - t0
             share = seconds / max(1, len(todo))
             if todo:
-                policy.observe_pass(PassCost(level, len(todo), max(d.forward_passes for d in drafts),
-                                             sum(d.forward_passes for d in drafts), seconds))
+                # the first pass feeds what the level has not cached, each later one the token before
+                fed = sum(group[b].fed(level, prefixes[b] + d.tokens[:-1], len(d.tokens), len(prefixes[b]) + len(d.tokens) - 1)
+                          for b, d in zip(todo, drafts))
+                policy.observe_pass(PassCost(level, len(todo), max(d.forward_passes for d in drafts), fed, seconds))
             results: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in range(n)]
             for b, draft in zip(todo, drafts):
                 records[b].cost(level, share, draft.forward_passes)
@@ -239,7 +254,8 @@ class Engine:
                 level_probs = [sampling.probs(x) for x in logits]
             seconds = time.perf_counter() - t0
             share = seconds / len(active)
-            policy.observe_pass(PassCost(level, len(active), 1, sum(scored[2]), seconds))
+            fed = sum(group[b].fed(level, t, m, len(t)) for b, t, m in zip(active, scored[1], scored[2]))
+            policy.observe_pass(PassCost(level, len(active), 1, fed, seconds))
             for a, b in enumerate(active):
                 records[b].cost(level, share, 1)
                 sub_tokens, sub_probs = subs[b]
