@@ -1,7 +1,16 @@
-"""A worker for any transformers causal LM, with one KV cache per sequence.
+"""A worker for any transformers causal LM, with its sequences' KV caches in one batched cache.
 
 Every call reconciles a sequence's cache with the tokens it is handed: keep the longest common
-prefix, crop the rest, prefill what is new. Rejected drafts therefore roll back by themselves.
+prefix, roll back the rest, prefill what is new. Rejected drafts therefore roll back by themselves.
+
+The sequences a worker scores live as rows of one persistent batched cache (:class:`_Pool`):
+preallocated key/value buffers ``[rows, heads, capacity, head_dim]`` per layer that a forward
+pass writes into in place (no per-step copy of the cache), with a ``[rows, columns]`` validity
+mask. A pass appends every row's new tokens at the same new columns (a row with fewer tokens
+gets masked pad columns); a row rolls back by marking its trailing columns invalid; each row's
+position ids count its valid tokens. Attention over masked columns has weight exactly zero, so a
+row's logits are those of the sequence alone. The holes are compacted away (each row's valid
+columns gathered, left-padded) when they make up most of the columns.
 """
 from __future__ import annotations
 
@@ -61,6 +70,7 @@ class HFWorker(Worker):
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.context_length = getattr(self.model.config, "max_position_embeddings", None)
         self._caches: dict[str, _SeqCache] = {}
+        self._pool: _Pool | bool | None = None  # None: not decided yet; False: per-sequence caches
 
     @classmethod
     def from_model(cls, model, device: str | None = None) -> "HFWorker":
@@ -71,6 +81,7 @@ class HFWorker(Worker):
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.context_length = getattr(model.config, "max_position_embeddings", None)
         self._caches = {}
+        self._pool = None
         return self
 
     def _new_cache(self):
@@ -85,9 +96,13 @@ class HFWorker(Worker):
         token_ids: Sequence[Sequence[int]],
         num_positions: Sequence[int],
     ) -> list[torch.Tensor]:
-        if len(seq_ids) == 1:
-            return [self._score_one(seq_ids[0], list(token_ids[0]), num_positions[0])]
-        return self._score_batch(seq_ids, token_ids, num_positions)
+        if self._pool is None:
+            self._pool = _Pool(self) if _poolable(self.model) else False
+        if self._pool is False:  # a cache layout the pool does not handle: one cache per sequence
+            if len(seq_ids) == 1:
+                return [self._score_one(seq_ids[0], list(token_ids[0]), num_positions[0])]
+            return self._score_batch(seq_ids, token_ids, num_positions)
+        return self._pool.score(seq_ids, token_ids, num_positions)
 
     def _reconcile(self, seq_id: str, tokens: list[int], num_positions: int) -> tuple[_SeqCache, list[int]]:
         """Crop the sequence's cache to its longest common prefix with ``tokens`` (keeping the
@@ -104,7 +119,8 @@ class HFWorker(Worker):
         return entry, tokens[keep:]
 
     def _score_batch(self, seq_ids, token_ids, num_positions) -> list[torch.Tensor]:
-        """One forward pass over several sequences with ragged caches.
+        """One forward pass over several sequences with ragged caches (the fallback for models
+        whose cache layout the pool does not handle).
 
         Each sequence keeps its own cache. For the pass, the caches are left-padded to a common
         length and the new tokens right-padded, with an attention mask hiding every pad and
@@ -167,9 +183,12 @@ class HFWorker(Worker):
     def release(self, seq_ids: Sequence[str]) -> None:
         for s in seq_ids:
             self._caches.pop(s, None)
+        if self._pool:
+            self._pool.release(seq_ids)
 
     def close(self) -> None:
         self._caches.clear()
+        self._pool = None
         self.model = None
 
 
@@ -187,3 +206,288 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+# -- the persistent batched cache --------------------------------------------------------------
+
+
+def _poolable(model) -> bool:
+    """The pool replaces plain full-attention dynamic cache layers; anything else (sliding
+    windows, linear attention, encoder-decoder caches) keeps one DynamicCache per sequence."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except Exception:  # noqa: BLE001 - an exotic config: stay on the generic path
+        return False
+    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+_BUFFER_LAYER = None
+
+
+def _buffer_layer(kbuf, vbuf, length: int):
+    """A cache layer over preallocated buffers ``[rows, heads, capacity, head_dim]`` whose first
+    ``length`` columns are in use: an update writes the new columns in place and returns views
+    (transformers' DynamicLayer concatenates, copying the whole cache every step)."""
+    global _BUFFER_LAYER
+    if _BUFFER_LAYER is None:
+        from transformers.cache_utils import DynamicLayer
+
+        class BufferLayer(DynamicLayer):
+            def __init__(self, kbuf, vbuf, length):
+                super().__init__()
+                self.kbuf, self.vbuf, self.length = kbuf, vbuf, length
+                self.capacity = 0 if kbuf is None else kbuf.shape[2]
+                self.is_initialized = kbuf is not None
+                if kbuf is not None:
+                    self.device = kbuf.device
+                    self.keys, self.values = kbuf[:, :, :length], vbuf[:, :, :length]
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                end = self.length + key_states.shape[-2]
+                if self.kbuf is None:  # the first pass of an empty pool: allocate
+                    shape = (*key_states.shape[:2], max(self.capacity, end), key_states.shape[-1])
+                    self.kbuf = key_states.new_zeros(shape)
+                    self.vbuf = value_states.new_zeros(shape[:3] + (value_states.shape[-1],))
+                    self.device = key_states.device
+                    self.is_initialized = True
+                self.kbuf[:, :, self.length:end] = key_states
+                self.vbuf[:, :, self.length:end] = value_states
+                self.length = end
+                self.keys, self.values = self.kbuf[:, :, :end], self.vbuf[:, :, :end]
+                return self.keys, self.values
+
+            def get_seq_length(self) -> int:
+                return self.length
+
+            def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+                return self.length + query_length, 0
+
+            def crop(self, tokens_to_remove: int) -> None:
+                raise NotImplementedError("the pool rolls rows back with its validity mask")
+
+        _BUFFER_LAYER = BufferLayer
+    return _BUFFER_LAYER(kbuf, vbuf, length)
+
+
+class _Pool:
+    """The worker's sequences as rows of one batched KV cache (see the module docstring).
+
+    Per row: the tokens whose keys/values it holds (``tokens``) and the cache columns holding
+    them, in order (``cols``); ``valid[r, c]`` says whether column ``c`` of row ``r`` holds one
+    of them. Columns ``[0, used)`` are in use; the buffers have room for ``capacity``. A released
+    sequence frees its row for the next one to join.
+    """
+
+    def __init__(self, worker: HFWorker):
+        self.worker = worker
+        self.kbufs: list[torch.Tensor] | None = None  # per layer [rows, heads, capacity, head_dim]
+        self.vbufs: list[torch.Tensor] | None = None
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=worker.device)  # [rows, capacity]
+        self.used = 0
+        self.rows: list[str | None] = []  # seq_id per row; None: free
+        self.row_of: dict[str, int] = {}
+        self.tokens: list[list[int]] = []
+        self.cols: list[list[int]] = []
+
+    # -- shape management ---------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
+    def _reset(self) -> None:
+        self.__init__(self.worker)
+
+    def _add_rows(self, count: int) -> None:
+        dev = self.worker.device
+        self.valid = torch.cat([self.valid, torch.zeros(count, self.capacity, dtype=torch.bool, device=dev)])
+        if self.kbufs is not None:
+            self.kbufs = [torch.cat([b, b.new_zeros((count,) + b.shape[1:])]) for b in self.kbufs]
+            self.vbufs = [torch.cat([b, b.new_zeros((count,) + b.shape[1:])]) for b in self.vbufs]
+        self.rows.extend([None] * count)
+        self.tokens.extend([] for _ in range(count))
+        self.cols.extend([] for _ in range(count))
+
+    def _rebuild(self, keep_rows: list[int], capacity: int) -> None:
+        """Keep only ``keep_rows`` (in that order) and each one's valid columns, gathered to the
+        right end of ``[0, used)`` (left padding), in buffers of ``capacity`` columns."""
+        dev = self.worker.device
+        width = max((len(self.cols[r]) for r in keep_rows), default=0)
+        capacity = max(capacity, width)
+        index = torch.zeros(len(keep_rows), width, dtype=torch.long, device=dev)
+        valid = torch.zeros(len(keep_rows), capacity, dtype=torch.bool, device=dev)
+        for i, r in enumerate(keep_rows):
+            n = len(self.cols[r])
+            if n:
+                index[i, width - n:] = torch.tensor(self.cols[r], dtype=torch.long)
+                valid[i, width - n:width] = True
+            self.cols[r] = list(range(width - n, width))
+        if self.kbufs is not None:
+            rows = torch.tensor(keep_rows, dtype=torch.long, device=dev)
+
+            def gather(buf):
+                new = buf.new_zeros((len(keep_rows), buf.shape[1], capacity, buf.shape[3]))
+                if width:
+                    picked = buf.index_select(0, rows)  # [R', H, C, D]
+                    idx = index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3])
+                    new[:, :, :width] = picked.gather(2, idx)
+                return new
+
+            self.kbufs = [gather(b) for b in self.kbufs]
+            self.vbufs = [gather(b) for b in self.vbufs]
+        self.valid = valid
+        self.used = width
+        self.rows = [self.rows[r] for r in keep_rows]
+        self.tokens = [self.tokens[r] for r in keep_rows]
+        self.cols = [self.cols[r] for r in keep_rows]
+        self.row_of = {s: i for i, s in enumerate(self.rows) if s is not None}
+
+    def _grow(self, capacity: int) -> None:
+        dev = self.worker.device
+        self.valid = torch.cat([self.valid, torch.zeros(self.valid.shape[0], capacity - self.capacity,
+                                                        dtype=torch.bool, device=dev)], dim=1)
+        if self.kbufs is not None:
+            def grow(buf):
+                new = buf.new_zeros(buf.shape[:2] + (capacity, buf.shape[3]))
+                new[:, :, :self.used] = buf[:, :, :self.used]
+                return new
+
+            self.kbufs = [grow(b) for b in self.kbufs]
+            self.vbufs = [grow(b) for b in self.vbufs]
+
+    def _make_room(self, width: int) -> None:
+        """Room for ``width`` more columns: compact if most columns are holes, else grow."""
+        longest = max((len(c) for c in self.cols), default=0)
+        holes = self.used - longest
+        if holes > 16 and 2 * holes > self.used:
+            self._rebuild(list(range(len(self.rows))), max(self.capacity, longest + width))
+        if self.used + width > self.capacity:  # with headroom: growing copies the cache
+            self._grow(max(2 * self.capacity, 2 * (self.used + width), 64))
+
+    @torch.inference_mode()  # the pool's tensors are inference tensors
+    def release(self, seq_ids: Sequence[str]) -> None:
+        for s in seq_ids:
+            r = self.row_of.pop(s, None)
+            if r is None:
+                continue
+            self.rows[r] = None
+            self.tokens[r] = []
+            self.cols[r] = []
+            self.valid[r] = False
+        if not self.row_of:
+            self._reset()  # nothing left: free the buffers
+
+    # -- one forward pass ---------------------------------------------------------------------
+
+    def score(self, seq_ids, token_ids, num_positions) -> list[torch.Tensor]:
+        worker = self.worker
+        dev = worker.device
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("score: a sequence appears twice in one call")
+        # Joins: free rows first, then new ones.
+        joining = [s for s in seq_ids if s not in self.row_of]
+        if joining:
+            free = [r for r, s in enumerate(self.rows) if s is None]
+            if len(free) < len(joining):
+                self._add_rows(len(joining) - len(free))
+                free = [r for r, s in enumerate(self.rows) if s is None]
+            for s, r in zip(joining, free):
+                self.rows[r] = s
+                self.row_of[s] = r
+        # Many free rows (sequences left): drop them, which also compacts the columns.
+        live = len(self.row_of)
+        if len(self.rows) > 8 and 2 * live < len(self.rows):
+            self._rebuild([r for r, s in enumerate(self.rows) if s is not None], self.capacity)
+        rows = [self.row_of[s] for s in seq_ids]
+
+        # Reconcile: roll each row back to its longest common prefix with what it is handed.
+        news = []
+        drop_rows, drop_cols = [], []
+        for r, toks, n in zip(rows, token_ids, num_positions):
+            toks = list(toks)
+            if not 1 <= n <= len(toks):
+                raise ValueError(f"num_positions={n} for a sequence of {len(toks)} tokens")
+            have = self.tokens[r]
+            keep = min(_common_prefix(have, toks), len(toks) - n)
+            if keep < len(have):
+                dropped = self.cols[r][keep:]
+                drop_rows.extend([r] * len(dropped))
+                drop_cols.extend(dropped)
+                del self.cols[r][keep:]
+                del have[keep:]
+            news.append(toks[keep:])
+        if drop_rows:
+            self.valid[torch.tensor(drop_rows, device=dev), torch.tensor(drop_cols, device=dev)] = False
+        width = max(len(new) for new in news)
+        self._make_room(width)
+        used, total = self.used, len(self.rows)
+
+        # All rows take part (idle ones with masked pads: no copy), unless few do: then the
+        # participants' rows are gathered into a temporary cache and their new columns copied back.
+        subset = self.kbufs is not None and 3 * len(rows) < total
+        batch_rows = rows if subset else list(range(total))
+        slot = {r: i for i, r in enumerate(batch_rows)}
+        size = len(batch_rows)
+        input_ids = torch.zeros(size, width, dtype=torch.long)
+        starts = torch.zeros(size, dtype=torch.long)
+        lengths = torch.zeros(size, dtype=torch.long)
+        for r, new in zip(rows, news):
+            i = slot[r]
+            input_ids[i, :len(new)] = torch.tensor(new, dtype=torch.long)
+            lengths[i] = len(new)
+        for i, r in enumerate(batch_rows):
+            starts[i] = len(self.tokens[r])
+        positions = starts[:, None] + torch.arange(width)
+        if worker.context_length:
+            positions.clamp_(max=worker.context_length - 1)  # pad positions past the end: masked anyway
+        new_valid = torch.arange(width)[None, :] < lengths[:, None]
+        self.valid[:, used:used + width] = False
+        if subset:
+            index = torch.tensor(rows, dtype=torch.long, device=dev)
+            self.valid[index, used:used + width] = new_valid.to(dev)
+            mask = self.valid.index_select(0, index)[:, :used + width]
+            layers = [_buffer_layer(k.index_select(0, index), v.index_select(0, index), used)
+                      for k, v in zip(self.kbufs, self.vbufs)]
+        else:
+            self.valid[:, used:used + width] = new_valid.to(dev)
+            mask = self.valid[:, :used + width]
+            if self.kbufs is None:
+                layers = [_buffer_layer(None, None, 0) for _ in range(_num_layers(worker.model))]
+                for layer in layers:
+                    layer.capacity = self.capacity
+            else:
+                layers = [_buffer_layer(k, v, used) for k, v in zip(self.kbufs, self.vbufs)]
+        # Logits only for the last positions any row needs.
+        keep = max(width - len(new) + n for new, n in zip(news, num_positions))
+        from transformers.cache_utils import Cache
+
+        out = worker.model(input_ids=input_ids.to(dev), attention_mask=mask, position_ids=positions.to(dev),
+                           cache=Cache(layers=layers), use_cache=True, logits_to_keep=keep)
+        if subset:
+            for layer, k, v in zip(layers, self.kbufs, self.vbufs):
+                k[index, :, used:used + width] = layer.kbuf[:, :, used:used + width]
+                v[index, :, used:used + width] = layer.vbuf[:, :, used:used + width]
+        elif self.kbufs is None:
+            self.kbufs = [layer.kbuf for layer in layers]
+            self.vbufs = [layer.vbuf for layer in layers]
+        self.used = used + width
+        logits_all = out.logits
+        if logits_all.dtype in (torch.float16, torch.bfloat16):
+            logits_all = logits_all.float()
+        logits_all = logits_all.cpu()
+        results = []
+        for r, new, n in zip(rows, news, num_positions):
+            self.cols[r].extend(range(used, used + len(new)))
+            self.tokens[r].extend(new)
+            end = len(new) - (width - keep)  # the row's last new token, within the kept window
+            results.append(logits_all[slot[r], end - n:end])
+        return results
+
+
+def _num_layers(model) -> int:
+    from transformers import DynamicCache
+
+    return len(DynamicCache(config=model.config).layers)

@@ -1,0 +1,134 @@
+"""The HF worker's persistent batched cache: a row's logits equal the sequence's solo logits
+(float64, to ~1e-10) through ragged rollbacks, joins, leaves, idle rows, subsets and compaction."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from workers.hf import HFWorker
+
+TOL = 1e-10
+
+
+@pytest.fixture(scope="module")
+def model(family):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(family / "large", dtype=torch.float64).eval()
+
+
+def solo_logits(model, tokens: list[int], n: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, -n:]
+
+
+def check(worker, model, seq_ids, token_ids, nums):
+    got = worker.score(seq_ids, token_ids, nums)
+    assert len(got) == len(seq_ids)
+    for toks, n, logits in zip(token_ids, nums, got):
+        assert logits.shape == (n, worker.vocab_size)
+        torch.testing.assert_close(logits, solo_logits(model, list(toks), n), rtol=0, atol=TOL)
+
+
+def test_pool_is_used_for_llama(model):
+    worker = HFWorker.from_model(model)
+    worker.score(["a"], [[1, 2, 3]], [1])
+    assert worker._pool and worker._pool.row_of == {"a": 0}
+
+
+def test_ragged_batches_equal_solo(model, tokenizer):
+    worker = HFWorker.from_model(model)
+    vocab = worker.vocab_size
+    rng = random.Random(0)
+    seqs = {s: [rng.randrange(vocab) for _ in range(rng.randrange(3, 20))] for s in "abcd"}
+    # prefill of different lengths, several positions each
+    check(worker, model, list(seqs), list(seqs.values()), [1, 3, 2, 1])
+    for step in range(25):
+        ids = list(seqs)
+        rng.shuffle(ids)  # call order changes
+        nums = []
+        for s in ids:
+            toks = seqs[s]
+            cut = rng.randrange(0, 4)  # roll back up to 3 tokens (a rejected block)
+            if cut and len(toks) > cut + 1:
+                del toks[-cut:]
+            grow = rng.randrange(1, 6)  # then a new block of ragged length
+            toks.extend(rng.randrange(vocab) for _ in range(grow))
+            nums.append(rng.randrange(1, grow + 1))
+        check(worker, model, ids, [seqs[s] for s in ids], nums)
+    pool = worker._pool
+    assert pool.used <= pool.capacity
+    # every row's bookkeeping matches its tokens
+    for s, r in pool.row_of.items():
+        assert len(pool.cols[r]) == len(pool.tokens[r]) == int(pool.valid[r].sum())
+
+
+def test_subsets_idle_rows_joins_and_leaves(model):
+    worker = HFWorker.from_model(model)
+    vocab = worker.vocab_size
+    rng = random.Random(1)
+    seqs = {f"s{i}": [rng.randrange(vocab) for _ in range(rng.randrange(2, 12))] for i in range(12)}
+    check(worker, model, list(seqs), list(seqs.values()), [1] * len(seqs))
+    next_id = len(seqs)
+    for step in range(40):
+        # a random subset takes part: large subsets run every row, small ones are gathered
+        ids = rng.sample(list(seqs), rng.choice([1, 2, 3, len(seqs) // 2, len(seqs)]))
+        for s in ids:
+            toks = seqs[s]
+            cut = rng.randrange(0, 3)
+            if cut and len(toks) > cut + 1:
+                del toks[-cut:]
+            toks.extend(rng.randrange(vocab) for _ in range(rng.randrange(1, 4)))
+        check(worker, model, ids, [seqs[s] for s in ids], [1] * len(ids))
+        if step % 7 == 3:  # some leave, others join (reusing rows, or new rows)
+            gone = rng.sample(list(seqs), 3)
+            worker.release(gone)
+            for s in gone:
+                del seqs[s]
+            for _ in range(rng.choice([1, 3, 5])):
+                seqs[f"s{next_id}"] = [rng.randrange(vocab) for _ in range(rng.randrange(2, 12))]
+                next_id += 1
+    worker.release(list(seqs))
+    assert worker._pool.row_of == {} and worker._pool.kbufs is None
+
+
+def test_compaction_keeps_logits(model):
+    worker = HFWorker.from_model(model)
+    vocab = worker.vocab_size
+    rng = random.Random(2)
+    base = {s: [rng.randrange(vocab) for _ in range(5 + 3 * i)] for i, s in enumerate("xyz")}
+    check(worker, model, list(base), list(base.values()), [1, 1, 1])
+    compacted = 0
+    for step in range(60):
+        # draft 6 tokens one at a time, then reject all but one: holes pile up
+        drafts = {s: list(t) for s, t in base.items()}
+        for _ in range(6):
+            for s in drafts:
+                drafts[s].append(rng.randrange(vocab))
+            before = worker._pool.used
+            check(worker, model, list(drafts), list(drafts.values()), [1, 1, 1])
+            compacted += worker._pool.used < before
+        for s in base:
+            base[s].append(drafts[s][len(base[s])])
+    assert compacted, "expected the holes to be compacted at least once"
+    pool = worker._pool
+    assert pool.used < 3 * max(len(t) for t in pool.tokens)
+
+
+def test_pool_equals_per_sequence_caches(model):
+    """The pool and the per-sequence fallback give the same logits."""
+    pooled = HFWorker.from_model(model)
+    legacy = HFWorker.from_model(model)
+    legacy._pool = False
+    rng = random.Random(3)
+    vocab = pooled.vocab_size
+    seqs = [[rng.randrange(vocab) for _ in range(n)] for n in (4, 9, 6)]
+    for step in range(10):
+        for t in seqs:
+            t.append(rng.randrange(vocab))
+        a = pooled.score(["p", "q", "r"], seqs, [2, 1, 2])
+        b = legacy.score(["p", "q", "r"], seqs, [2, 1, 2])
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=0, atol=TOL)
