@@ -17,7 +17,7 @@ import torch
 
 from cascade.sampling import Sampling
 from cascade.verify import sample_with_uniform
-from policies.base import StopRule, draft_step
+from policies.base import DraftStep, StopRule
 
 
 @dataclass
@@ -62,7 +62,11 @@ class Worker(abc.ABC):
 
         What the engine verifies with. A remote backend overrides it to warp next to the model
         and ship only the nonzero entries (a greedy row is one entry, not ``vocab``)."""
-        return [sampling.probs(logits) for logits in self.score(seq_ids, token_ids, num_positions)]
+        logits = self.score(seq_ids, token_ids, num_positions)
+        if len(logits) == 1:
+            return [sampling.probs(logits[0])]
+        # One warp for all rows: the warping is row-wise, so each row is what it would be alone.
+        return list(sampling.probs(torch.cat(logits)).split([x.shape[0] for x in logits]))
 
     def draft(
         self,
@@ -88,19 +92,26 @@ class Worker(abc.ABC):
                 [list(token_ids[b]) + drafted[b] for b in active],
                 [1] * len(active),
             )
+            # All active rows at once: warp, sample with each row's own uniform, and the model's
+            # own (T=1) probability of each drafted token. Row-wise ops: each row is as if alone.
+            last_logits = torch.stack([x[-1] for x in logits])  # [n, vocab]
+            probs = sampling.probs(last_logits)
+            draws = torch.stack([uniforms[b][len(drafted[b])] for b in active]).to(torch.float64)
+            tokens = sample_with_uniform(probs, draws)
+            logits64 = last_logits.to(torch.float64)
+            token_probs = torch.exp(logits64.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits64, -1)).tolist()
             still = []
-            for b, row_logits in zip(active, logits):
-                probs = sampling.probs(row_logits[-1])
+            for a, (b, token) in enumerate(zip(active, tokens.tolist())):
                 j = len(drafted[b])
-                token = int(sample_with_uniform(probs, uniforms[b][j]))
                 drafted[b].append(token)
-                rows[b].append(probs)
+                rows[b].append(probs[a])
                 passes[b] += 1
-                step = last[b] = draft_step(j, row_logits[-1], token, previous=last[b])
-                confidence[b].append(step.token_prob)
+                confidence[b].append(token_probs[a])
                 done = len(drafted[b]) >= max_tokens[b]
-                if not done and stop is not None and stop.should_stop(step):
-                    done = stopped[b] = True
+                if stop is not None:
+                    step = last[b] = _draft_step(j, logits64[a], token_probs[a], last[b])
+                    if not done and stop.should_stop(step):
+                        done = stopped[b] = True
                 if not done:
                     still.append(b)
             active = still
@@ -115,3 +126,13 @@ class Worker(abc.ABC):
 
     def close(self) -> None:
         """Free resources (models, caches)."""
+
+
+def _draft_step(index: int, logits: torch.Tensor, token_prob: float, previous: DraftStep | None) -> DraftStep:
+    """``policies.base.draft_step`` with the token's probability already computed (batched):
+    the same step, the same one link to the block's previous step."""
+    prev_block_prob = 1.0
+    if previous is not None:
+        prev_block_prob = previous.block_prob
+        previous.previous = None
+    return DraftStep(index, token_prob, prev_block_prob * token_prob, logits, previous=previous)
