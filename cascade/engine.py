@@ -256,17 +256,26 @@ class Engine:
             share = seconds / len(active)
             fed = sum(group[b].fed(level, t, m, len(t)) for b, t, m in zip(active, scored[1], scored[2]))
             policy.observe_pass(PassCost(level, len(active), 1, fed, seconds))
+            # Each sequence draws from its own generator, k + 1 uniforms, as it always has.
+            uniforms = [torch.rand(len(subs[b][0]) + 1, generator=group[b].generator, dtype=torch.float64)
+                        for b in active]
+            # Sequences with nothing proposed sample one token each: all in one call.
+            alone = [a for a, b in enumerate(active) if not subs[b][0]]
+            sampled = {}
+            if alone:
+                picked = sample_with_uniform(torch.stack([level_probs[a][0] for a in alone]),
+                                             torch.stack([uniforms[a][0] for a in alone]))
+                sampled = dict(zip(alone, picked.tolist()))
             for a, b in enumerate(active):
                 records[b].cost(level, share, 1)
                 sub_tokens, sub_probs = subs[b]
                 k = len(sub_tokens)
-                uniforms = torch.rand(k + 1, generator=group[b].generator, dtype=torch.float64)
                 if k:
-                    verdict = verify_block(sub_tokens, sub_probs, level_probs[a], uniforms)
+                    verdict = verify_block(sub_tokens, sub_probs, level_probs[a], uniforms[a])
                     records[b].edge(below, level, k, verdict.accepted)
                     emitted = sub_tokens[: verdict.accepted] + [verdict.next_token]
-                else:  # nothing proposed: the level samples one token itself
-                    emitted = [int(sample_with_uniform(level_probs[a][0], uniforms[k]))]
+                else:  # nothing proposed: the level sampled one token itself
+                    emitted = [sampled[a]]
                 for j, tok in enumerate(emitted):
                     outs[b].append(tok)
                     rows[b].append(level_probs[a][j])
