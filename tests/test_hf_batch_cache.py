@@ -132,3 +132,29 @@ def test_pool_equals_per_sequence_caches(model):
         b = legacy.score(["p", "q", "r"], seqs, [2, 1, 2])
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, rtol=0, atol=TOL)
+
+
+def test_a_long_prompt_joining_a_running_batch_is_prefilled_alone(model):
+    worker = HFWorker.from_model(model)
+    vocab = worker.vocab_size
+    rng = random.Random(4)
+    seqs = {f"r{i}": [rng.randrange(vocab) for _ in range(6)] for i in range(6)}
+    check(worker, model, list(seqs), list(seqs.values()), [1] * 6)
+    widths = []
+    forward = worker._pool._forward
+
+    def spy(rows, news, nums, subset=None):
+        widths.append((len(rows), max(len(n) for n in news)))
+        return forward(rows, news, nums, subset)
+
+    worker._pool._forward = spy
+    seqs["new"] = [rng.randrange(vocab) for _ in range(40)]
+    for s in seqs:
+        if s != "new":
+            seqs[s].append(rng.randrange(vocab))
+    check(worker, model, list(seqs), list(seqs.values()), [1] * 6 + [3])
+    assert widths == [(1, 37), (7, 3)]  # the newcomer's prefill alone, then everyone narrow
+    for _ in range(3):
+        for s in seqs:
+            seqs[s].append(rng.randrange(vocab))
+        check(worker, model, list(seqs), list(seqs.values()), [1] * 7)

@@ -421,13 +421,35 @@ class _Pool:
             news.append(toks[keep:])
         if drop_rows:
             self.valid[torch.tensor(drop_rows, device=dev), torch.tensor(drop_cols, device=dev)] = False
+        # A few rows with much more to feed than the others (a sequence joining a running batch)
+        # would widen every row's pass to their length: feed most of theirs first, by themselves.
+        width = max(len(new) for new in news)
+        if self.kbufs is not None and width > 8 and len(rows) > 1:
+            typical = sorted(len(new) for new in news)[len(news) // 2]
+            long = [i for i, new in enumerate(news)
+                    if len(new) > max(8, 4 * typical) and len(new) > max(typical, num_positions[i])]
+            if long and 2 * len(long) <= len(rows):
+                tails = [max(typical, num_positions[i]) for i in long]
+                self._forward([rows[i] for i in long], [news[i][:-t] for i, t in zip(long, tails)],
+                              [1] * len(long), subset=True)
+                for i, t in zip(long, tails):
+                    news[i] = news[i][-t:]
+        return self._forward(rows, news, num_positions)
+
+    def _forward(self, rows: list[int], news: list[list[int]], num_positions, subset: bool | None = None):
+        """One forward pass feeding ``news[i]`` to row ``rows[i]``; logits of each one's last
+        ``num_positions[i]`` positions."""
+        worker = self.worker
+        dev = worker.device
         width = max(len(new) for new in news)
         self._make_room(width)
         used, total = self.used, len(self.rows)
 
         # All rows take part (idle ones with masked pads: no copy), unless few do: then the
         # participants' rows are gathered into a temporary cache and their new columns copied back.
-        subset = self.kbufs is not None and 3 * len(rows) < total
+        if subset is None:
+            subset = 3 * len(rows) < total
+        subset = subset and self.kbufs is not None
         batch_rows = rows if subset else list(range(total))
         slot = {r: i for i, r in enumerate(batch_rows)}
         size = len(batch_rows)
