@@ -10,10 +10,10 @@ import random
 
 import networkx as nx
 
-from policies.base import PlanContext, Policy, PolicyError, StepFeedback, StepPlan, longest_path
-from policies.estimates import Estimates
+from policies.base import PassCost, PlanContext, Policy, PolicyError, StepFeedback, StepPlan, longest_path
+from policies.estimates import Calibration, Estimates
 from policies.fixed import check_path
-from policies.stops import ConfidenceStop, EntropyStop
+from policies.stops import CalibratedStop, ConfidenceStop, EntropyStop
 
 
 def _check_unit(name: str, value: float, low: float = 0.0, high: float = 1.0) -> float:
@@ -103,21 +103,24 @@ class EntropyPolicy(_PathMixin, Policy):
 class CostAwarePolicy(_PathMixin, Policy):
     """Lookahead per edge chosen online to maximise committed tokens per second.
 
-    From measured acceptance per draft position and measured seconds per forward pass of each
-    level, it picks the k that minimises expected seconds per emitted token on each edge (the
-    seed's speedup equation, §9, composed up the hierarchy: see ``Estimates.path_cost``), and
-    explores a random k on one edge with probability ``explore``.
+    From measured acceptance per draft position and the measured cost of each level's passes
+    (a fixed cost per pass plus a cost per position scored, fitted from every call: see
+    ``LevelCost``), it picks the k that minimises expected seconds per emitted token on each
+    edge (the seed's speedup equation, §9, composed up the hierarchy: see
+    ``Estimates.path_cost``), and explores a random k on one edge with probability ``explore``
+    (decaying as ``explore * 200 / (200 + steps)``).
 
-    Under load the authority's pass is shared by the whole batch: ``verify_budget`` caps the
-    tokens one authority pass verifies across the batch, so the authority's proposer gets at
-    most ``verify_budget // batch_size - 1`` tokens per sequence, and none — plain batched
-    decoding — once the batch is that large. ``None`` switches the cap off.
+    Under load a pass's fixed cost is shared by the batch while every drafted position still
+    costs the verifier its own compute, so the same equation stops paying for speculation as
+    the batch grows: the policy drops to plain batched decoding by itself. ``verify_budget``
+    optionally caps the tokens one authority pass verifies across the batch on top of that
+    (the authority's proposer gets at most ``verify_budget // batch_size - 1`` per sequence).
     """
 
     name = "cost-aware"
 
     def __init__(self, max_lookahead: int = 8, explore: float = 0.1, prior: float = 0.6, decay: float = 0.98,
-                 seed: int = 0, path: list[str] | None = None, verify_budget: int | None = 128):
+                 seed: int = 0, path: list[str] | None = None, verify_budget: int | None = None):
         if verify_budget is not None and (isinstance(verify_budget, bool) or not isinstance(verify_budget, int)
                                           or verify_budget < 1):
             raise PolicyError(f"verify_budget: expected a positive integer or null, got {verify_budget!r}")
@@ -126,15 +129,19 @@ class CostAwarePolicy(_PathMixin, Policy):
         self.explore = _check_unit("explore", explore)
         self.estimates = Estimates(prior=_check_unit("prior", prior), decay=_check_unit("decay", decay))
         self.rng = random.Random(seed)
+        self.steps = 0
         self._init_path(path)
 
+    def _exploring(self) -> bool:
+        return self.explore > 0 and self.rng.random() < self.explore * 200 / (200 + self.steps)
+
     def _explore(self, lookahead: dict[str, int]) -> dict[str, int]:
-        """With probability ``explore``, try a random lookahead (>= 1) on one edge, so that an
-        edge whose estimate says "does not pay" (k = 0) is still measured now and then."""
-        if lookahead and self.rng.random() < self.explore:
+        """Now and then, try a random lookahead (>= 1) on one edge, so that an edge whose
+        estimate says "does not pay" (k = 0) is still measured."""
+        if lookahead and self._exploring():
             level = self.rng.choice(sorted(lookahead))
             lookahead = dict(lookahead)
-            lookahead[level] = self.rng.randint(1, self.max_lookahead)
+            lookahead[level] = self.rng.randint(1, min(8, self.max_lookahead))
         return lookahead
 
     def _under_load(self, ctx: PlanContext, path: tuple[str, ...], lookahead: dict[str, int]) -> StepPlan:
@@ -151,11 +158,15 @@ class CostAwarePolicy(_PathMixin, Policy):
 
     def plan(self, ctx: PlanContext) -> StepPlan:
         path = self._path(ctx)
-        _, lookahead = self.estimates.path_cost(path, self.max_lookahead)
+        _, lookahead = self.estimates.path_cost(path, self.max_lookahead, batch=ctx.batch_size)
         return self._under_load(ctx, path, self._explore(lookahead))
 
     def observe(self, feedback: StepFeedback) -> None:
+        self.steps += 1
         self.estimates.observe(feedback)
+
+    def observe_pass(self, cost: PassCost) -> None:
+        self.estimates.observe_pass(cost)
 
 
 class EscalationPolicy(CostAwarePolicy):
@@ -163,21 +174,42 @@ class EscalationPolicy(CostAwarePolicy):
 
     Every path through the graph to the authority is priced with the measured acceptance and
     costs (``Estimates.path_cost``): a level whose edge does not pay for its cost
-    (A <= 1 + T_draft / T_verify) makes its paths dearer and is skipped. Acceptance is kept
-    separately for confident and unconfident contexts — the mean probability the first level
-    gave its own drafts in the previous step, against ``confident`` — so that when drafts are
-    confident a block goes straight to the authority along a shortcut edge, and through the
-    middle levels when they are not. Untried paths start from an optimistic prior and are
-    explored with probability ``explore``.
+    (A <= 1 + T_draft / T_verify) makes its paths dearer and is skipped. Untried paths start
+    from an optimistic prior. Probe rounds — every path once, in random order, ``warmup``
+    rounds at the start, then one round of the contenders every ``probe_every`` steps — keep
+    every edge's estimates sampled across the run: acceptance swings several-fold between
+    texts, so estimates of paths measured at different times would not compare. The current
+    path is kept unless another is priced ``switch_margin`` cheaper. A random path is also
+    explored with probability ``explore`` (decaying with the steps seen).
+
+    With ``confident`` set, acceptance is also kept separately
+    for confident and unconfident contexts — the mean probability the first level gave its own
+    drafts in the previous step, against ``confident`` — so that confident blocks may go
+    straight to the authority along a shortcut edge and unsure ones through the middle levels.
     """
 
     name = "escalation"
 
     def __init__(self, max_lookahead: int = 8, explore: float = 0.05, prior: float = 0.7, decay: float = 0.98,
-                 confident: float = 0.8, seed: int = 0, verify_budget: int | None = 128):
+                 confident: float | None = None, seed: int = 0, verify_budget: int | None = None, warmup: int = 4,
+                 switch_margin: float = 0.05, probe_every: int = 128, optimism: float = 0.0,
+                 pool_weight: float = 20.0):
         super().__init__(max_lookahead, explore, prior, decay, seed, verify_budget=verify_budget)
-        self.confident = _check_unit("confident", confident)
-        self.contexts = {True: Estimates(prior=prior, decay=decay), False: self.estimates}
+        self.confident = None if confident is None else _check_unit("confident", confident)
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise PolicyError(f"warmup: expected an integer >= 0, got {warmup!r}")
+        self.warmup = warmup
+        self.switch_margin = _check_unit("switch_margin", switch_margin)
+        if isinstance(probe_every, bool) or not isinstance(probe_every, int) or probe_every < 1:
+            raise PolicyError(f"probe_every: expected an integer >= 1, got {probe_every!r}")
+        self.probe_every = probe_every
+        self._current: dict[frozenset[str], tuple[str, ...]] = {}
+        self._plans = self._rounds = 0
+        self._probes: list[tuple[str, ...]] = []  # the rest of the current probe round
+        self.contender_margin = 0.25
+        self.optimism = _check_unit("optimism", optimism, 0.0, 10.0)
+        self.estimates.pool_weight = pool_weight
+        self.contexts = {True: Estimates(prior=prior, decay=decay, pool_weight=pool_weight), False: self.estimates}
         self._context = False
         self._all_paths: dict[frozenset[str], list[tuple[str, ...]]] = {}
 
@@ -191,40 +223,122 @@ class EscalationPolicy(CostAwarePolicy):
             self._all_paths[ctx.available] = paths
         return self._all_paths[ctx.available]
 
-    def plan(self, ctx: PlanContext) -> StepPlan:
+    def _estimates(self) -> Estimates:
         estimates = self.contexts[self._context]
-        # Costs are measured per level whatever the context: share them.
-        estimates.costs = self.estimates.costs
+        estimates.costs = self.estimates.costs  # costs are measured per level whatever the context
+        return estimates
+
+    def _choose(self, ctx: PlanContext) -> tuple[tuple[str, ...], dict[str, int], str]:
+        """(path, lookahead, kind): kind is "probe", "explore" or "exploit"."""
         candidates = self._candidates(ctx)
+        estimates = self._estimates()
+        priced = {p: estimates.path_cost(p, self.max_lookahead, batch=ctx.batch_size) for p in candidates}
+        self._plans += 1
+        if not self._probes and (self._plans <= self.warmup * len(candidates) or self._plans % self.probe_every == 0):
+            self._probes = self._probe_round(priced)
+        if self._probes:
+            path = self._probes.pop()
+            return path, {n: max(1, k) for n, k in priced[path][1].items()}, "probe"
         drafting = [p for p in candidates if len(p) > 1]
-        if drafting and self.rng.random() < self.explore:
+        if drafting and self._exploring():
             path = self.rng.choice(drafting)
-            lookahead = {n: self.rng.randint(1, self.max_lookahead) for n in path[:-1]}
-        else:
-            priced = [(estimates.path_cost(p, self.max_lookahead), p) for p in candidates]
-            (_, lookahead), path = min(priced, key=lambda item: item[0][0])
+            return path, {n: self.rng.randint(1, min(8, self.max_lookahead)) for n in path[:-1]}, "explore"
+        # Choose by the optimistic price (upper confidence bounds on acceptance): a path whose
+        # estimates are still loose gets tried until they settle, which tells near-equal paths
+        # apart where probes alone would take too long.
+        score = {p: estimates.path_cost(p, self.max_lookahead, batch=ctx.batch_size, optimism=self.optimism)[0]
+                 for p in candidates} if self.optimism else {p: priced[p][0] for p in candidates}
+        path = min(score, key=score.get)
+        # Hysteresis: leave the current path only for one that is clearly cheaper, so that
+        # near-equal paths do not flap the choice on noise.
+        current = self._current.get(ctx.available)
+        if current in score and score[path] > (1 - self.switch_margin) * score[current]:
+            path = current
+        self._current[ctx.available] = path
+        return path, priced[path][1], "exploit"
+
+    def _probe_round(self, priced: dict[tuple[str, ...], tuple[float, dict[str, int]]]) -> list[tuple[str, ...]]:
+        """The paths of the next probe round, in random order: all of them in the warm-up and in
+        every other round; otherwise the contenders, priced within ``1 + contender_margin`` of
+        the best. Probes keep every edge's estimates sampled across the whole run, so that edges
+        are compared over the same texts (acceptance swings several-fold between texts)."""
+        self._rounds += 1
+        paths = list(priced)
+        if self._rounds > self.warmup and self._rounds % 2:
+            best = min(cost for cost, _ in priced.values())
+            paths = [p for p in paths if priced[p][0] <= (1 + self.contender_margin) * best]
+        self.rng.shuffle(paths)
+        return paths
+
+    def plan(self, ctx: PlanContext) -> StepPlan:
+        path, lookahead, _ = self._choose(ctx)
         return self._under_load(ctx, path, lookahead)
 
     def observe(self, feedback: StepFeedback) -> None:
+        self.steps += 1
         self.contexts[self._context].observe(feedback)
-        if feedback.confidence is not None:
+        if self.confident is not None and feedback.confidence is not None:
             self._context = feedback.confidence >= self.confident
 
 
 class AutoPolicy(EscalationPolicy):
-    """The default: escalation's path and lookahead choice, plus a confidence stop that ends a
-    block early at a token the drafter itself finds unlikely."""
+    """The default: escalation's choice of path (priced for the current batch size), and on
+    the path's first edge a long lookahead cut short by a calibrated stop.
+
+    The drafter keeps going while the estimated probability that its whole block is accepted
+    — the product, over its tokens, of the measured acceptance for the drafter's own
+    probability of each (``Calibration``, ``CalibratedStop``) — stays above a threshold at
+    which one more token stops paying: drafting it costs the drafter's pass plus the
+    verifier's extra position, and it earns that token's chance of acceptance times the
+    seconds a committed token costs on this path. ``stop_threshold`` fixes that threshold
+    instead; ``stop: false`` switches the stop off (lookahead from the cost model alone).
+    """
 
     name = "auto"
 
-    def __init__(self, max_lookahead: int = 8, explore: float = 0.05, prior: float = 0.7, decay: float = 0.98,
-                 confident: float = 0.8, stop_threshold: float = 0.2, seed: int = 0, verify_budget: int | None = 128):
-        super().__init__(max_lookahead, explore, prior, decay, confident, seed, verify_budget)
-        self.stop_threshold = _check_unit("stop_threshold", stop_threshold)
+    def __init__(self, max_lookahead: int = 32, explore: float = 0.0, prior: float = 0.7, decay: float = 0.999,
+                 confident: float | None = None, stop: bool = True, stop_threshold: float | None = None,
+                 seed: int = 0, verify_budget: int | None = None, warmup: int = 4, switch_margin: float = 0.05,
+                 probe_every: int = 128, optimism: float = 0.0, pool_weight: float = 20.0, price_lookahead: int = 12):
+        super().__init__(max_lookahead, explore, prior, decay, confident, seed, verify_budget, warmup, switch_margin,
+                         probe_every, optimism, pool_weight)
+        if not isinstance(stop, bool):
+            raise PolicyError(f"stop: expected true or false, got {stop!r}")
+        self.stop = stop
+        self.stop_threshold = None if stop_threshold is None else _check_unit("stop_threshold", stop_threshold)
+        self.price_lookahead = _check_lookahead("price_lookahead", price_lookahead)
 
     def plan(self, ctx: PlanContext) -> StepPlan:
-        plan = super().plan(ctx)
-        if self.stop_threshold <= 0:
+        if self.stop:
+            saved, self.max_lookahead = self.max_lookahead, min(self.max_lookahead, self.price_lookahead)
+            try:
+                path, lookahead, kind = self._choose(ctx)
+            finally:
+                self.max_lookahead = saved
+        else:
+            path, lookahead, kind = self._choose(ctx)
+        plan = self._under_load(ctx, path, lookahead)
+        if not self.stop or kind == "explore" or len(plan.path) < 2:
             return plan
-        rule = ConfidenceStop(self.stop_threshold)
-        return StepPlan(plan.path, plan.lookahead, {n: rule for n in plan.path[:-1]})
+        first = plan.path[0]
+        lookahead = dict(plan.lookahead)
+        if self.verify_budget is None:
+            lookahead[first] = max(lookahead[first], self.max_lookahead)
+        return StepPlan(plan.path, lookahead, {first: self._stop_rule(ctx, plan.path)})
+
+    def _stop_rule(self, ctx: PlanContext, path: tuple[str, ...]) -> CalibratedStop:
+        estimates = self._estimates()
+        first, verifier = path[0], path[1]
+        calibration = estimates.calibration(first, verifier)
+        threshold = self.stop_threshold
+        if threshold is None:
+            rates: dict[str, float] = {}
+            estimates.path_cost(path[:2], self.price_lookahead, batch=ctx.batch_size, rates=rates)
+            draft = estimates.cost(first, ctx.batch_size, 1) or 0.0
+            one, two = estimates.cost(verifier, ctx.batch_size, 1), estimates.cost(verifier, ctx.batch_size, 2)
+            extra = (two - one) if one is not None and two is not None else 0.0
+            value = rates[verifier] * calibration.mean(Calibration.LATER)  # seconds a further token may earn
+            threshold = min(0.9, max(0.02, (draft + extra) / value)) if value > 0 else 0.9
+        after_full = estimates.after_full.get((first, verifier), False)
+        table = calibration.table(Calibration.FIRST_AFTER_FULL if after_full else Calibration.FIRST_AFTER_REJECT)
+        return CalibratedStop(table, calibration.table(Calibration.LATER), threshold)

@@ -6,9 +6,10 @@ novel logic).
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
-from policies.base import StepFeedback
+from policies.base import PassCost, StepFeedback
 
 
 @dataclass
@@ -36,13 +37,22 @@ class EdgeAcceptance:
             self.seen[j] += 1.0
             self.accepted[j] += 1.0 if j < accepted else 0.0
 
-    def rate(self, j: int) -> float:
-        """Estimated acceptance at position j (later positions borrow the last one seen)."""
+    def rate(self, j: int, optimism: float = 0.0, prior: float | None = None, prior_weight: float | None = None
+             ) -> float:
+        """Estimated acceptance at position j (later positions borrow the last one seen), plus
+        ``optimism`` standard errors (an upper confidence bound, for choosing what to try).
+        ``prior``/``prior_weight`` replace the edge's own prior (e.g. a pooled rate)."""
+        prior = self.prior if prior is None else prior
+        pw = self.prior_weight if prior_weight is None else prior_weight
         if not self.seen:
-            return self.prior
-        j = min(j, len(self.seen) - 1)
-        weight = self.seen[j] + self.prior_weight
-        return (self.accepted[j] + self.prior * self.prior_weight) / weight if weight else self.prior
+            mean, weight = prior, pw
+        else:
+            j = min(j, len(self.seen) - 1)
+            weight = self.seen[j] + pw
+            mean = (self.accepted[j] + prior * pw) / weight if weight else prior
+        if optimism and weight:
+            mean = min(1.0, mean + optimism * (mean * (1 - mean) / weight) ** 0.5)
+        return mean
 
     def expected_tokens(self, k: int) -> float:
         """Expected tokens one round emits with a block of k: accepted prefix + 1."""
@@ -59,25 +69,132 @@ class EdgeAcceptance:
 
 @dataclass
 class LevelCost:
-    """Seconds per forward pass of a level (exponential moving average)."""
+    """What a level's forward passes cost, learned from measured calls.
+
+    Model: one call of ``passes`` forward passes scoring ``tokens`` positions in all (summed over
+    the sequences of the batch) costs ``per_pass * passes + per_token * tokens`` seconds — a
+    fixed cost per pass (weights streamed, kernels launched, Python) and a cost per position
+    computed. Fitted by exponentially weighted least squares over :meth:`observe_pass`, so it
+    follows the load: at batch 1 a pass is nearly all fixed cost, in a large batch the
+    positions dominate and a drafted token costs the authority almost as much as decoding one.
+
+    Until a call has been measured, :meth:`observe` (seconds per pass as one sequence saw its
+    share) gives a plain moving average of seconds per pass.
+    """
 
     decay: float = 0.9
-    seconds: float | None = None
+    seconds: float | None = None  # moving average of seconds per pass (the fallback)
+    fit_decay: float = 0.97
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # pp, pt, tt, ps, ts
+    _fit: tuple[float, float] | None = None
+    _calls: int = 0
 
     def observe(self, seconds: float, passes: int) -> None:
         # A level without forward passes (prompt lookup) still costs its call time.
         per_pass = seconds / max(1, passes)
         self.seconds = per_pass if self.seconds is None else self.decay * self.seconds + (1 - self.decay) * per_pass
 
+    def observe_pass(self, passes: int, tokens: int, seconds: float) -> None:
+        p, t = float(max(1, passes)), float(tokens)
+        fit = self.fit
+        if fit is not None and self._calls >= 2:
+            # a call slowed down by something else (another process, a GC pause) says nothing
+            # about the level: clip it so that one outlier cannot dominate a rarely used level
+            seconds = min(seconds, 3.0 * (fit[0] * p + fit[1] * t))
+        self._calls += 1
+        self._sums = [self.fit_decay * x for x in self._sums]
+        for i, v in enumerate((p * p, p * t, t * t, p * seconds, t * seconds)):
+            self._sums[i] += v
+        self._fit = None
+
+    @property
+    def fit(self) -> tuple[float, float] | None:
+        """(seconds per pass, seconds per position), both >= 0; None before any measured call."""
+        if self._fit is None and self._sums[0] > 0:
+            pp, pt, tt, ps, ts = self._sums
+            ridge = 1e-9 * (pp + tt)  # a tiny ridge: one batch shape alone gives the min-norm split
+            det = (pp + ridge) * (tt + ridge) - pt * pt
+            a = ((tt + ridge) * ps - pt * ts) / det
+            b = ((pp + ridge) * ts - pt * ps) / det
+            if b < 0:
+                a, b = ps / pp, 0.0
+            elif a < 0:
+                a, b = 0.0, ts / (tt + ridge)
+            self._fit = (a, b)
+        return self._fit
+
+    def per_sequence(self, batch: int, width: int) -> float | None:
+        """Seconds one of ``batch`` sequences is charged for a pass scoring ``width`` positions of
+        its own (the pass's fixed cost is shared by the batch)."""
+        fit = self.fit
+        if fit is None:
+            return self.seconds
+        a, b = fit
+        return a / max(1, batch) + b * width
+
+
+BINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # lower edges of confidence bins
+
+
+def confidence_bin(p: float) -> int:
+    return bisect.bisect_right(BINS, p) - 1
+
+
+@dataclass
+class Calibration:
+    """How often the verifier accepts a draft token, by the drafter's own probability of it.
+
+    A small model's probabilities are not acceptance probabilities (the bundled tiny model
+    gives 0.1–0.3 to tokens the large model accepts 90% of the time), so a stop rule on the raw
+    probability misjudges; this table maps each confidence bin to the measured conditional
+    acceptance. Three contexts: the first token of a block after a fully accepted block, the
+    first after a rejection, and later tokens (given the ones before were accepted). Starts
+    from ``prior`` with ``prior_weight`` pseudo-observations per bin.
+    """
+
+    prior: float = 0.6
+    prior_weight: float = 2.0
+    decay: float = 0.998
+    seen: list[list[float]] = field(default_factory=lambda: [[0.0] * len(BINS) for _ in range(3)])
+    accepted: list[list[float]] = field(default_factory=lambda: [[0.0] * len(BINS) for _ in range(3)])
+    rounds: int = 0
+
+    FIRST_AFTER_FULL, FIRST_AFTER_REJECT, LATER = 0, 1, 2
+
+    def observe(self, confidence: tuple[float, ...], accepted: int, after_full: bool) -> None:
+        examined = min(len(confidence), accepted + 1)
+        for table in (*self.seen, *self.accepted):
+            for i in range(len(table)):
+                table[i] *= self.decay
+        for j in range(examined):
+            ctx = (self.FIRST_AFTER_FULL if after_full else self.FIRST_AFTER_REJECT) if j == 0 else self.LATER
+            i = confidence_bin(confidence[j])
+            self.seen[ctx][i] += 1.0
+            self.accepted[ctx][i] += 1.0 if j < accepted else 0.0
+        self.rounds += 1
+
+    def table(self, ctx: int) -> tuple[float, ...]:
+        w = self.prior_weight
+        return tuple((a + self.prior * w) / (n + w) if n + w > 0 else self.prior
+                     for n, a in zip(self.seen[ctx], self.accepted[ctx]))
+
+    def mean(self, ctx: int) -> float:
+        n, a = sum(self.seen[ctx]), sum(self.accepted[ctx])
+        return (a + self.prior * self.prior_weight) / (n + self.prior_weight) if n + self.prior_weight > 0 else self.prior
+
 
 class Estimates:
-    """Acceptance of every edge and cost of every level, updated from step feedback."""
+    """Acceptance of every edge (by position, and by the drafter's confidence) and cost of every
+    level, updated from step feedback and measured calls."""
 
-    def __init__(self, prior: float = 0.6, decay: float = 0.98):
+    def __init__(self, prior: float = 0.6, decay: float = 0.98, pool_weight: float = 0.0):
         self.prior = prior
         self.decay = decay
+        self.pool_weight = pool_weight
         self.edges: dict[tuple[str, str], EdgeAcceptance] = {}
+        self.calibrations: dict[tuple[str, str], Calibration] = {}
         self.costs: dict[str, LevelCost] = {}
+        self.after_full: dict[tuple[str, str], bool] = {}  # was the edge's last block accepted whole?
 
     def edge(self, proposer: str, verifier: str) -> EdgeAcceptance:
         key = (proposer, verifier)
@@ -85,38 +202,79 @@ class Estimates:
             self.edges[key] = EdgeAcceptance(prior=self.prior, decay=self.decay)
         return self.edges[key]
 
-    def cost(self, level: str) -> float | None:
+    def calibration(self, proposer: str, verifier: str) -> Calibration:
+        key = (proposer, verifier)
+        if key not in self.calibrations:
+            self.calibrations[key] = Calibration(prior=self.prior)
+        return self.calibrations[key]
+
+    def cost(self, level: str, batch: int = 1, width: int = 1) -> float | None:
+        """Seconds one of ``batch`` sequences pays for a pass of ``level`` scoring ``width`` of
+        its positions; None if never measured."""
         c = self.costs.get(level)
-        return c.seconds if c else None
+        return c.per_sequence(batch, width) if c else None
 
     def observe(self, feedback: StepFeedback) -> None:
         for e in feedback.edges:
             self.edge(e.proposer, e.verifier).observe(e.proposed, e.accepted)
+            if e.confidence:
+                key = (e.proposer, e.verifier)
+                self.calibration(*key).observe(e.confidence, e.accepted, self.after_full.get(key, False))
+                self.after_full[key] = e.accepted >= e.proposed
         for level, seconds in feedback.level_seconds.items():
             self.costs.setdefault(level, LevelCost()).observe(seconds, feedback.level_passes.get(level, 0))
 
-    def path_cost(self, path: tuple[str, ...], max_lookahead: int, default_cost: float = 1e-3
-                  ) -> tuple[float, dict[str, int]]:
-        """Expected seconds per token the authority commits along ``path``, and the lookahead per
-        level that minimises it (the seed's speedup equation, §9, applied edge by edge).
+    def observe_pass(self, cost: PassCost) -> None:
+        self.costs.setdefault(cost.level, LevelCost()).observe_pass(cost.passes, cost.tokens, cost.seconds)
+
+    def path_cost(self, path: tuple[str, ...], max_lookahead: int, default_cost: float = 1e-3, batch: int = 1,
+                  rates: dict[str, float] | None = None, optimism: float = 0.0) -> tuple[float, dict[str, int]]:
+        """Expected seconds per token the authority commits along ``path``, for one of ``batch``
+        sequences, and the lookahead per level that minimises it (the seed's speedup equation,
+        §9, applied edge by edge).
 
         Level ``path[0]`` drafts one token per forward pass. Level ``path[i]`` builds its tokens
         in rounds: k tokens from below (k times the cost per token below) plus one forward pass
-        of its own, yielding ``expected_tokens(k)`` tokens. The best k per edge is chosen bottom-up.
+        of its own over k + 1 positions, yielding ``expected_tokens(k)`` tokens. The best k per
+        edge is chosen bottom-up (``rates``, if given, receives each level's seconds per token it
+        emits; ``optimism`` prices with upper confidence bounds on acceptance). With
+        ``pool_weight``, an edge's acceptance is shrunk towards the rate pooled over all edges
+        into the same verifier, worth that many observations: drafters checked by one model
+        accept alike unless measured otherwise, so a rarely tried edge is priced mostly by its
+        (well measured) costs instead of by a few noisy rounds. Under load a pass's fixed cost is shared by the batch while
+        each position still costs its own, which is what makes speculation stop paying.
         """
-        per_token = self.cost(path[0]) or default_cost
+        def cost(level: str, width: int) -> float:
+            c = self.cost(level, batch, width)
+            return default_cost if c is None else c
+
+        def pooled(level: str, j: int) -> float | None:
+            """Acceptance at position j pooled over every edge into ``level``."""
+            if not self.pool_weight:
+                return None
+            seen = accepted = 0.0
+            for (_, verifier), e in self.edges.items():
+                if verifier == level and e.seen:
+                    i = min(j, len(e.seen) - 1)
+                    seen, accepted = seen + e.seen[i], accepted + e.accepted[i]
+            return accepted / seen if seen else None
+
+        per_token = cost(path[0], 1)
         lookahead: dict[str, int] = {}
         for below, level in zip(path, path[1:]):
             acc = self.edge(below, level)
-            own = self.cost(level) or default_cost
-            best_k, best = 0, own  # k = 0: the level samples a token itself, one pass per token
+            best_k, best = 0, cost(level, 1)  # k = 0: the level samples a token itself, one pass per token
             expected, survive = 1.0, 1.0  # expected_tokens(k), built up incrementally
             for k in range(1, max_lookahead + 1):
-                survive *= acc.rate(k - 1)
+                pool = pooled(level, k - 1)
+                survive *= acc.rate(k - 1, optimism) if pool is None else \
+                    acc.rate(k - 1, optimism, prior=pool, prior_weight=self.pool_weight)
                 expected += survive
-                per = (k * per_token + own) / expected
+                per = (k * per_token + cost(level, k + 1)) / expected
                 if per < best:
                     best_k, best = k, per
             lookahead[below] = best_k
             per_token = best
+            if rates is not None:
+                rates[level] = best
         return per_token, lookahead

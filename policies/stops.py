@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from policies.base import DraftStep, StopRule
+from policies.estimates import confidence_bin
 
 
 @dataclass(frozen=True)
@@ -38,3 +39,28 @@ class EntropyStop(StopRule):
 
     def should_stop(self, step: DraftStep) -> bool:
         return math.exp(-step.entropy) < self.threshold
+
+
+@dataclass(frozen=True)
+class CalibratedStop(StopRule):
+    """Stop when the estimated probability that the whole block so far is accepted falls below
+    ``threshold``.
+
+    Each token's acceptance is read from measured tables (``Calibration``): ``first`` for the
+    block's first token, ``later`` for the others (given those before were accepted), indexed
+    by the bin of the drafter's own probability of the token. The running product is kept on
+    the steps (``DraftStep.memo``). The tables are a snapshot taken when the step was planned,
+    so the stop is still a stopping time of the proposer.
+    """
+
+    first: tuple[float, ...]
+    later: tuple[float, ...]
+    threshold: float
+
+    def should_stop(self, step: DraftStep) -> bool:
+        previous = step.previous
+        survival = previous.memo if previous is not None and previous.memo is not None else 1.0
+        table = self.first if step.index == 0 else self.later
+        survival *= table[confidence_bin(step.token_prob)]
+        step.memo = survival
+        return survival < self.threshold

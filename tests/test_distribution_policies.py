@@ -20,7 +20,7 @@ ADAPTIVE = [
     ("entropy", {"lookahead": 3, "threshold": 0.4}),
     ("cost-aware", {"max_lookahead": 3, "explore": 0.3}),
     ("escalation", {"max_lookahead": 3, "explore": 0.3}),
-    ("auto", {"max_lookahead": 3, "explore": 0.3, "stop_threshold": 0.5}),
+    ("auto", {"max_lookahead": 3, "explore": 0.3, "stop_threshold": 0.8, "warmup": 1, "probe_every": 4}),
 ]
 
 

@@ -10,9 +10,9 @@ from policies.adaptive import (
     AutoPolicy, ConfidencePolicy, CostAwarePolicy, EntropyPolicy, EscalationPolicy,
 )
 from policies.base import DraftStep, EdgeOutcome, PlanContext, StepFeedback, StepPlan, draft_step
-from policies.estimates import EdgeAcceptance, Estimates
+from policies.estimates import BINS, Calibration, EdgeAcceptance, Estimates, LevelCost, confidence_bin
 from policies.fixed import FixedPolicy
-from policies.stops import ConfidenceStop, EntropyStop
+from policies.stops import CalibratedStop, ConfidenceStop, EntropyStop
 
 CHAIN = nx.DiGraph([("tiny", "small"), ("small", "large")])
 DAG = nx.DiGraph([("tiny", "small"), ("small", "large"), ("tiny", "large")])
@@ -129,7 +129,7 @@ def test_cost_aware_lengthens_lookahead_when_acceptance_is_high():
 
 
 def test_escalation_skips_a_level_that_does_not_pay():
-    policy = bound(EscalationPolicy(explore=0.0), DAG)
+    policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9), DAG)
     seconds = {"tiny": 0.001, "small": 0.008, "large": 0.010}
     # small is nearly as slow as large and adds little acceptance: tiny -> large direct wins
     teach(policy, ("tiny", "small", "large"), [("tiny", "small", 4, 2), ("small", "large", 4, 2)], seconds)
@@ -138,7 +138,8 @@ def test_escalation_skips_a_level_that_does_not_pay():
 
 
 def test_escalation_goes_through_the_middle_when_drafts_are_unsure():
-    policy = bound(EscalationPolicy(explore=0.0, confident=0.8), DAG)
+    policy = bound(EscalationPolicy(explore=0.0, confident=0.8, warmup=0, probe_every=10**9, pool_weight=0,
+                                    switch_margin=0.0), DAG)
     seconds = {"tiny": 0.001, "small": 0.002, "large": 0.02}
     # confident context: tiny is right about the large model; unsure: only small is
     teach(policy, ("tiny", "large"), [("tiny", "large", 6, 6)], seconds, confidence=0.95)
@@ -169,10 +170,99 @@ def test_verification_budget_shrinks_speculation_under_load():
         CostAwarePolicy(verify_budget=0)
 
 
-def test_auto_adds_a_confidence_stop():
-    plan = bound(AutoPolicy(explore=0.0, stop_threshold=0.25)).plan(ctx())
-    assert all(rule == ConfidenceStop(0.25) for rule in plan.stop.values())
-    assert set(plan.stop) == set(plan.path[:-1])
+def test_level_cost_separates_pass_and_position_costs():
+    cost = LevelCost()
+    for width in (1, 9, 2, 33, 5, 1, 17):  # 10 ms per pass + 0.5 ms per position
+        cost.observe_pass(1, width, 0.010 + 0.0005 * width)
+    a, b = cost.fit
+    assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)
+    # a batch of 4 shares the fixed cost, each position still costs its own
+    assert cost.per_sequence(4, 3) == pytest.approx(0.010 / 4 + 0.0015)
+    cost.observe_pass(1, 1, 5.0)  # a call stalled by something else is clipped, not trusted
+    assert cost.fit[0] < 0.05
+
+
+def test_speculation_stops_paying_under_load():
+    """Same acceptance, same models: at batch 1 drafting pays; in a large batch, where each
+    drafted position costs the authority nearly what decoding a token costs, it does not."""
+    est = Estimates(prior=0.8)
+    est.edge("tiny", "large").prior_weight = 1e9
+    for level, (per_pass, per_position) in {"tiny": (0.001, 0.00001), "large": (0.010, 0.001)}.items():
+        cost = est.costs.setdefault(level, LevelCost())
+        for width in (1, 4, 16, 64):
+            cost.observe_pass(1, width, per_pass + per_position * width)
+    assert est.path_cost(("tiny", "large"), 8, batch=1)[1]["tiny"] >= 3
+    assert est.path_cost(("tiny", "large"), 8, batch=64)[1]["tiny"] == 0
+    policy = bound(CostAwarePolicy(explore=0.0), nx.DiGraph([("tiny", "large")]))
+    policy.estimates = est
+    at = lambda b: policy.plan(PlanContext(policy.graph, "large", 100, 0, frozenset({"tiny", "large"}), batch_size=b))
+    assert at(1).path == ("tiny", "large") and at(64).path == ("large",)
+
+
+def test_calibration_maps_confidence_to_acceptance():
+    cal = Calibration(prior=0.5, prior_weight=0.0, decay=1.0)
+    for _ in range(10):  # confident tokens accepted, unsure ones (p < 0.02) rejected
+        cal.observe((0.9, 0.9, 0.01, 0.9), accepted=2, after_full=True)
+    later = cal.table(Calibration.LATER)
+    assert later[confidence_bin(0.9)] == 1.0 and later[confidence_bin(0.01)] == 0.0
+    assert cal.table(Calibration.FIRST_AFTER_FULL)[confidence_bin(0.9)] == 1.0
+    assert cal.seen[Calibration.LATER][confidence_bin(0.9)] == 10  # position 3 was never examined
+
+
+def test_calibrated_stop_multiplies_measured_acceptance():
+    first = tuple(0.9 for _ in BINS)
+    later = tuple(0.5 if lo < 0.3 else 0.95 for lo in BINS)
+    rule = CalibratedStop(first, later, threshold=0.4)
+    logits = torch.log(torch.tensor([0.8, 0.1, 0.1]))
+    s0 = draft_step(0, logits, 0)  # p = 0.8: survival 0.9
+    assert not rule.should_stop(s0) and s0.memo == pytest.approx(0.9)
+    s1 = draft_step(1, logits, 0, previous=s0)  # 0.9 * 0.95
+    assert not rule.should_stop(s1)
+    s2 = draft_step(2, logits, 1, previous=s1)  # p = 0.1: 0.855 * 0.5 = 0.43 > 0.4
+    assert not rule.should_stop(s2)
+    s3 = draft_step(3, logits, 2, previous=s2)  # 0.43 * 0.5 < 0.4: stop
+    assert rule.should_stop(s3) and s3.memo == pytest.approx(0.9 * 0.95 * 0.5 * 0.5)
+
+
+def test_auto_drafts_long_blocks_cut_by_a_calibrated_stop():
+    graph = nx.DiGraph([("tiny", "large")])
+
+    def taught(**params):
+        policy = bound(AutoPolicy(warmup=0, probe_every=10**9, **params), graph)
+        plan = StepPlan(("tiny", "large"), {"tiny": 4})
+        for _ in range(100):  # confident tokens are accepted, the unsure last one is not
+            policy.observe(StepFeedback(plan, (EdgeOutcome("tiny", "large", 4, 3, (0.9, 0.9, 0.9, 0.01)),),
+                                        {"tiny": 0.001, "large": 0.010}, {"tiny": 4, "large": 1}, 4))
+        return policy.plan(PlanContext(graph, "large", 100, 0, frozenset(graph.nodes)))
+
+    step_plan = taught(max_lookahead=24)
+    assert step_plan.path == ("tiny", "large") and step_plan.lookahead["tiny"] == 24
+    rule = step_plan.stop["tiny"]
+    assert isinstance(rule, CalibratedStop) and 0.02 <= rule.threshold <= 0.9
+    assert rule.later[confidence_bin(0.9)] > 0.9 and rule.later[confidence_bin(0.01)] < 0.1
+    assert taught(stop_threshold=0.25).stop["tiny"].threshold == 0.25
+    off = taught(stop=False)
+    assert off.stop == {} and 1 <= off.lookahead["tiny"] <= 8  # the cost model's lookahead alone
+
+
+def test_escalation_probes_every_path_in_its_warm_up():
+    policy = bound(EscalationPolicy(explore=0.0, warmup=2, probe_every=10**9), DAG)
+    paths = [policy.plan(ctx(DAG)).path for _ in range(8)]
+    candidates = {("large",), ("tiny", "large"), ("small", "large"), ("tiny", "small", "large")}
+    assert set(paths[:4]) == candidates and set(paths[4:]) == candidates  # each round, every path once
+
+
+def test_rarely_tried_edges_shrink_towards_the_verifiers_pooled_acceptance():
+    est = Estimates(prior=0.5, pool_weight=20)
+    for level, seconds in {"small": 0.005, "large": 0.010}.items():
+        est.costs[level] = LevelCost(seconds=seconds)
+    for _ in range(200):
+        est.edge("tiny", "large").observe(1, 1)  # tiny's drafts: always accepted
+    est.edge("small", "large").observe(1, 0)  # small: one unlucky round
+    pooled = est.path_cost(("small", "large"), 1)
+    est.pool_weight = 0
+    alone = est.path_cost(("small", "large"), 1)
+    assert pooled[1]["small"] == 1 and alone[1]["small"] == 0  # one round does not condemn it
 
 
 def test_registry_and_spec_parsing():
