@@ -249,14 +249,16 @@ def _buffer_layer(kbuf, vbuf, length: int):
                 end = self.length + key_states.shape[-2]
                 if self.kbuf is None:  # the first pass of an empty pool: allocate
                     shape = (*key_states.shape[:2], max(self.capacity, end), key_states.shape[-1])
-                    self.kbuf = key_states.new_zeros(shape)
-                    self.vbuf = value_states.new_zeros(shape[:3] + (value_states.shape[-1],))
+                    # uninitialised: a column is always written before it is first read
+                    self.kbuf = key_states.new_empty(shape)
+                    self.vbuf = value_states.new_empty(shape[:3] + (value_states.shape[-1],))
                     self.device = key_states.device
                     self.is_initialized = True
-                self.kbuf[:, :, self.length:end] = key_states
-                self.vbuf[:, :, self.length:end] = value_states
+                width = end - self.length
+                self.kbuf.narrow(2, self.length, width).copy_(key_states)
+                self.vbuf.narrow(2, self.length, width).copy_(value_states)
                 self.length = end
-                self.keys, self.values = self.kbuf[:, :, :end], self.vbuf[:, :, :end]
+                self.keys, self.values = self.kbuf.narrow(2, 0, end), self.vbuf.narrow(2, 0, end)
                 return self.keys, self.values
 
             def get_seq_length(self) -> int:
@@ -285,6 +287,7 @@ class _Pool:
         self.worker = worker
         self.kbufs: list[torch.Tensor] | None = None  # per layer [rows, heads, capacity, head_dim]
         self.vbufs: list[torch.Tensor] | None = None
+        self.layers: list | None = None  # cache layers over the buffers, reused while they last
         self.valid = torch.zeros(0, 0, dtype=torch.bool, device=worker.device)  # [rows, capacity]
         self.used = 0
         self.rows: list[str | None] = []  # seq_id per row; None: free
@@ -307,6 +310,7 @@ class _Pool:
         if self.kbufs is not None:
             self.kbufs = [torch.cat([b, b.new_zeros((count,) + b.shape[1:])]) for b in self.kbufs]
             self.vbufs = [torch.cat([b, b.new_zeros((count,) + b.shape[1:])]) for b in self.vbufs]
+            self.layers = None
         self.rows.extend([None] * count)
         self.tokens.extend([] for _ in range(count))
         self.cols.extend([] for _ in range(count))
@@ -338,6 +342,7 @@ class _Pool:
 
             self.kbufs = [gather(b) for b in self.kbufs]
             self.vbufs = [gather(b) for b in self.vbufs]
+            self.layers = None
         self.valid = valid
         self.used = width
         self.rows = [self.rows[r] for r in keep_rows]
@@ -351,12 +356,13 @@ class _Pool:
                                                         dtype=torch.bool, device=dev)], dim=1)
         if self.kbufs is not None:
             def grow(buf):
-                new = buf.new_zeros(buf.shape[:2] + (capacity, buf.shape[3]))
+                new = buf.new_empty(buf.shape[:2] + (capacity, buf.shape[3]))  # columns past used: written first
                 new[:, :, :self.used] = buf[:, :, :self.used]
                 return new
 
             self.kbufs = [grow(b) for b in self.kbufs]
             self.vbufs = [grow(b) for b in self.vbufs]
+            self.layers = None
 
     def _make_room(self, width: int) -> None:
         """Room for ``width`` more columns: compact if most columns are holes, else grow."""
@@ -453,19 +459,24 @@ class _Pool:
         batch_rows = rows if subset else list(range(total))
         slot = {r: i for i, r in enumerate(batch_rows)}
         size = len(batch_rows)
-        input_ids = torch.zeros(size, width, dtype=torch.long)
-        starts = torch.zeros(size, dtype=torch.long)
-        lengths = torch.zeros(size, dtype=torch.long)
+        # Each row's new tokens end the window (pads first), so that every row's last token is
+        # at the window's end: logits are kept for the last positions only.
+        lengths = [0] * size
+        ids = [[0] * width for _ in range(size)]
         for r, new in zip(rows, news):
             i = slot[r]
-            input_ids[i, :len(new)] = torch.tensor(new, dtype=torch.long)
             lengths[i] = len(new)
-        for i, r in enumerate(batch_rows):
-            starts[i] = len(self.tokens[r])
-        positions = starts[:, None] + torch.arange(width)
+            ids[i][width - len(new):] = new
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        offsets = width - torch.tensor(lengths, dtype=torch.long)
+        starts = torch.tensor([len(self.tokens[r]) for r in batch_rows], dtype=torch.long)
+        window = torch.arange(width)
+        positions = (starts - offsets)[:, None] + window  # a row's count of valid tokens, on
+        positions.clamp_(min=0)  # pad positions (masked anyway) clamped into range
         if worker.context_length:
-            positions.clamp_(max=worker.context_length - 1)  # pad positions past the end: masked anyway
-        new_valid = torch.arange(width)[None, :] < lengths[:, None]
+            positions.clamp_(max=worker.context_length - 1)
+        new_valid = window[None, :] >= offsets[:, None]
+        padded = min(lengths) < width
         self.valid[:, used:used + width] = False
         if subset:
             index = torch.tensor(rows, dtype=torch.long, device=dev)
@@ -481,13 +492,21 @@ class _Pool:
                 for layer in layers:
                     layer.capacity = self.capacity
             else:
-                layers = [_buffer_layer(k, v, used) for k, v in zip(self.kbufs, self.vbufs)]
-        # Logits only for the last positions any row needs.
-        keep = max(width - len(new) + n for new, n in zip(news, num_positions))
+                if self.layers is None:
+                    self.layers = [_buffer_layer(k, v, used) for k, v in zip(self.kbufs, self.vbufs)]
+                layers = self.layers
+                for layer in layers:
+                    layer.length = used
+        keep = max(num_positions)  # logits only for the last positions any row needs
         from transformers.cache_utils import Cache
 
         out = worker.model(input_ids=input_ids.to(dev), attention_mask=mask, position_ids=positions.to(dev),
                            cache=Cache(layers=layers), use_cache=True, logits_to_keep=keep)
+        if padded:  # pad columns hold junk: zero it, so that nothing non-finite can ever sit in the cache
+            junk = ~new_valid.to(dev)[:, None, :, None]
+            for layer in layers:
+                layer.kbuf.narrow(2, used, width).masked_fill_(junk, 0)
+                layer.vbuf.narrow(2, used, width).masked_fill_(junk, 0)
         if subset:
             for layer, k, v in zip(layers, self.kbufs, self.vbufs):
                 k[index, :, used:used + width] = layer.kbuf[:, :, used:used + width]
@@ -495,6 +514,7 @@ class _Pool:
         elif self.kbufs is None:
             self.kbufs = [layer.kbuf for layer in layers]
             self.vbufs = [layer.vbuf for layer in layers]
+            self.layers = layers
         self.used = used + width
         logits_all = out.logits
         if logits_all.dtype in (torch.float16, torch.bfloat16):
@@ -502,10 +522,9 @@ class _Pool:
         logits_all = logits_all.cpu()
         results = []
         for r, new, n in zip(rows, news, num_positions):
-            self.cols[r].extend(range(used, used + len(new)))
+            self.cols[r].extend(range(used + width - len(new), used + width))
             self.tokens[r].extend(new)
-            end = len(new) - (width - keep)  # the row's last new token, within the kept window
-            results.append(logits_all[slot[r], end - n:end])
+            results.append(logits_all[slot[r], keep - n:keep])
         return results
 
 
