@@ -212,7 +212,8 @@ class Engine:
                 # the first pass feeds what the level has not cached, each later one the token before
                 fed = sum(group[b].fed(level, prefixes[b] + d.tokens[:-1], len(d.tokens), len(prefixes[b]) + len(d.tokens) - 1)
                           for b, d in zip(todo, drafts))
-                policy.observe_pass(PassCost(level, len(todo), max(d.forward_passes for d in drafts), fed, seconds))
+                policy.observe_pass(PassCost(level, len(todo), max(d.forward_passes for d in drafts), fed, seconds,
+                                             rows=sum(d.forward_passes for d in drafts)))
             results: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in range(n)]
             for b, draft in zip(todo, drafts):
                 records[b].cost(level, share, draft.forward_passes)

@@ -191,7 +191,7 @@ class EscalationPolicy(CostAwarePolicy):
     name = "escalation"
 
     def __init__(self, max_lookahead: int = 8, explore: float = 0.05, prior: float = 0.7, decay: float = 0.98,
-                 confident: float | None = None, seed: int = 0, verify_budget: int | None = None, warmup: int = 4,
+                 confident: float | None = None, seed: int = 0, verify_budget: int | None = None, warmup: int = 2,
                  switch_margin: float = 0.05, probe_every: int = 128, optimism: float = 0.0,
                  pool_weight: float = 20.0):
         super().__init__(max_lookahead, explore, prior, decay, seed, verify_budget=verify_budget)
@@ -298,7 +298,7 @@ class AutoPolicy(EscalationPolicy):
 
     def __init__(self, max_lookahead: int = 32, explore: float = 0.0, prior: float = 0.7, decay: float = 0.999,
                  confident: float | None = None, stop: bool = True, stop_threshold: float | None = None,
-                 seed: int = 0, verify_budget: int | None = None, warmup: int = 4, switch_margin: float = 0.05,
+                 seed: int = 0, verify_budget: int | None = None, warmup: int = 2, switch_margin: float = 0.05,
                  probe_every: int = 128, optimism: float = 0.0, pool_weight: float = 20.0, price_lookahead: int = 12):
         super().__init__(max_lookahead, explore, prior, decay, confident, seed, verify_budget, warmup, switch_margin,
                          probe_every, optimism, pool_weight)

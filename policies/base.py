@@ -128,13 +128,14 @@ class StepFeedback:
 @dataclass(frozen=True)
 class PassCost:
     """What one worker call cost: ``passes`` forward passes of ``level`` over ``sequences``
-    sequences, ``tokens`` positions scored in all (the sum over sequences and passes)."""
+    sequences, ``tokens`` positions computed in all (the sum over sequences and passes)."""
 
     level: str
     sequences: int
     passes: int
     tokens: int
     seconds: float
+    rows: int | None = None  # sequence-passes (a sequence in one pass); None: sequences * passes
 
 
 class PolicyError(ValueError):

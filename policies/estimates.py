@@ -68,51 +68,35 @@ class EdgeAcceptance:
 
 
 @dataclass
-class LevelCost:
-    """What a level's forward passes cost, learned from measured calls.
+class PassModel:
+    """Seconds of a call of ``passes`` forward passes computing ``tokens`` positions in all:
+    ``per_pass * passes + per_token * tokens``, fitted by exponentially weighted non-negative
+    least squares, stalls clipped."""
 
-    Model: one call of ``passes`` forward passes scoring ``tokens`` positions in all (summed over
-    the sequences of the batch) costs ``per_pass * passes + per_token * tokens`` seconds — a
-    fixed cost per pass (weights streamed, kernels launched, Python) and a cost per position
-    computed. Fitted by exponentially weighted least squares over :meth:`observe_pass`, so it
-    follows the load: at batch 1 a pass is nearly all fixed cost, in a large batch the
-    positions dominate and a drafted token costs the authority almost as much as decoding one.
-
-    Until a call has been measured, :meth:`observe` (seconds per pass as one sequence saw its
-    share) gives a plain moving average of seconds per pass.
-    """
-
-    decay: float = 0.9
-    seconds: float | None = None  # moving average of seconds per pass (the fallback)
     fit_decay: float = 0.97
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # pp, pt, tt, ps, ts
     _fit: tuple[float, float] | None = None
-    _calls: int = 0
+    calls: int = 0
 
-    def observe(self, seconds: float, passes: int) -> None:
-        # A level without forward passes (prompt lookup) still costs its call time.
-        per_pass = seconds / max(1, passes)
-        self.seconds = per_pass if self.seconds is None else self.decay * self.seconds + (1 - self.decay) * per_pass
-
-    def observe_pass(self, passes: int, tokens: int, seconds: float) -> None:
-        p, t = float(max(1, passes)), float(tokens)
+    def observe(self, passes: float, tokens: float, seconds: float) -> None:
         fit = self.fit
-        if fit is not None and self._calls >= 2:
-            # a call slowed down by something else (another process, a GC pause) says nothing
-            # about the level: clip it so that one outlier cannot dominate a rarely used level
-            seconds = min(seconds, 3.0 * (fit[0] * p + fit[1] * t))
-        self._calls += 1
+        if fit is not None and self.calls >= 3:
+            # a call stalled by something else (another process, a GC pause, a batch being
+            # regrouped) says nothing about the passes the policy prices: clip it (loosely while
+            # the fit is young), so that one stall cannot dominate
+            seconds = min(seconds, (10.0 if self.calls < 10 else 3.0) * (fit[0] * passes + fit[1] * tokens))
+        self.calls += 1
         self._sums = [self.fit_decay * x for x in self._sums]
-        for i, v in enumerate((p * p, p * t, t * t, p * seconds, t * seconds)):
+        for i, v in enumerate((passes * passes, passes * tokens, tokens * tokens, passes * seconds, tokens * seconds)):
             self._sums[i] += v
         self._fit = None
 
     @property
     def fit(self) -> tuple[float, float] | None:
-        """(seconds per pass, seconds per position), both >= 0; None before any measured call."""
+        """(seconds per pass, seconds per position), both >= 0; None before any call."""
         if self._fit is None and self._sums[0] > 0:
             pp, pt, tt, ps, ts = self._sums
-            ridge = 1e-9 * (pp + tt)  # a tiny ridge: one batch shape alone gives the min-norm split
+            ridge = 1e-9 * (pp + tt)  # a tiny ridge: one call shape alone gives the min-norm split
             det = (pp + ridge) * (tt + ridge) - pt * pt
             a = ((tt + ridge) * ps - pt * ts) / det
             b = ((pp + ridge) * ts - pt * ps) / det
@@ -123,10 +107,61 @@ class LevelCost:
             self._fit = (a, b)
         return self._fit
 
+
+def batch_bucket(sequences: float) -> int:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ...: one bucket per doubling."""
+    return max(1, int(round(sequences))).bit_length()
+
+
+@dataclass
+class LevelCost:
+    """What a level's forward passes cost, learned from measured calls, per batch size.
+
+    For each batch-size bucket (1, 2-3, 4-7, ...: the sequences a pass covers) a
+    :class:`PassModel` — a fixed cost per pass (weights streamed, kernels launched, each
+    sequence's cache and bookkeeping) and a cost per position computed. A sequence of a batch of
+    B pays ``per_pass / B + per_token * width`` for a pass scoring ``width`` of its positions, so
+    the price follows the load: at batch 1 a pass is nearly all fixed cost; in a large batch the
+    positions dominate and a drafted token costs the authority nearly what decoding one does.
+    Calls that compute more than ``prefill_positions`` positions per sequence (a prompt's
+    prefill) are not fitted: the policy prices decoding passes. (Fitting one model across batch
+    sizes does not work: the calls of a shrinking or regrouping batch would dominate it.)
+
+    Until a call has been measured, :meth:`observe` (seconds per pass as one sequence saw its
+    share) gives a plain moving average of seconds per pass.
+    """
+
+    decay: float = 0.9
+    seconds: float | None = None  # moving average of seconds per pass (the fallback)
+    prefill_positions: int = 40
+    buckets: dict[int, PassModel] = field(default_factory=dict)
+
+    def observe(self, seconds: float, passes: int) -> None:
+        # A level without forward passes (prompt lookup) still costs its call time.
+        per_pass = seconds / max(1, passes)
+        self.seconds = per_pass if self.seconds is None else self.decay * self.seconds + (1 - self.decay) * per_pass
+
+    def observe_pass(self, passes: int, tokens: int, seconds: float, rows: int | None = None) -> None:
+        """A call of ``passes`` passes covering ``rows`` sequence-passes, ``tokens`` positions."""
+        passes = max(1, passes)
+        rows = passes if rows is None else max(1, rows)
+        if tokens > self.prefill_positions * rows:
+            return
+        self.buckets.setdefault(batch_bucket(rows / passes), PassModel()).observe(passes, tokens, seconds)
+
+    def fit(self, batch: int = 1) -> tuple[float, float] | None:
+        """(seconds per pass, per position) at this batch size: its bucket's, else the nearest
+        bucket's measured; None if none is."""
+        if not self.buckets:
+            return None
+        want = batch_bucket(batch)
+        nearest = min(self.buckets, key=lambda k: (abs(k - want), -k))
+        return self.buckets[nearest].fit
+
     def per_sequence(self, batch: int, width: int) -> float | None:
         """Seconds one of ``batch`` sequences is charged for a pass scoring ``width`` positions of
         its own (the pass's fixed cost is shared by the batch)."""
-        fit = self.fit
+        fit = self.fit(batch)
         if fit is None:
             return self.seconds
         a, b = fit
@@ -225,7 +260,8 @@ class Estimates:
             self.costs.setdefault(level, LevelCost()).observe(seconds, feedback.level_passes.get(level, 0))
 
     def observe_pass(self, cost: PassCost) -> None:
-        self.costs.setdefault(cost.level, LevelCost()).observe_pass(cost.passes, cost.tokens, cost.seconds)
+        rows = cost.rows if cost.rows is not None else cost.sequences * max(1, cost.passes)
+        self.costs.setdefault(cost.level, LevelCost()).observe_pass(cost.passes, cost.tokens, cost.seconds, rows)
 
     def path_cost(self, path: tuple[str, ...], max_lookahead: int, default_cost: float = 1e-3, batch: int = 1,
                   rates: dict[str, float] | None = None, optimism: float = 0.0) -> tuple[float, dict[str, int]]:

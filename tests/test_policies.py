@@ -170,28 +170,35 @@ def test_verification_budget_shrinks_speculation_under_load():
         CostAwarePolicy(verify_budget=0)
 
 
-def test_level_cost_separates_pass_and_position_costs():
+def test_level_cost_learns_pass_and_position_costs_per_batch_size():
     cost = LevelCost()
-    for width in (1, 9, 2, 33, 5, 1, 17):  # 10 ms per pass + 0.5 ms per position
-        cost.observe_pass(1, width, 0.010 + 0.0005 * width)
-    a, b = cost.fit
-    assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)
-    # a batch of 4 shares the fixed cost, each position still costs its own
-    assert cost.per_sequence(4, 3) == pytest.approx(0.010 / 4 + 0.0015)
-    cost.observe_pass(1, 1, 5.0)  # a call stalled by something else is clipped, not trusted
-    assert cost.fit[0] < 0.05
+    for batch in (1, 16):
+        for width in (1, 9, 2, 33, 5):  # 10 ms per pass + 0.6 ms per sequence in it + 0.4 ms per position
+            cost.observe_pass(1, batch * width, 0.010 + 0.0006 * batch + 0.0004 * batch * width, rows=batch)
+    assert cost.fit(1) == pytest.approx((0.0106, 0.0004), rel=1e-3)
+    assert cost.fit(16) == pytest.approx((0.0196, 0.0004), rel=1e-3)
+    assert cost.fit(20) == cost.fit(16) and cost.fit(64) == cost.fit(16)  # nearest measured batch size
+    # a sequence of 16 shares the pass's fixed cost and pays its own positions
+    assert cost.per_sequence(16, 3) == pytest.approx(0.0196 / 16 + 0.0012, rel=1e-3)
+    cost.observe_pass(1, 4, 5.0, rows=1)  # a call stalled by something else is clipped, not trusted
+    assert cost.fit(1)[0] < 0.05
+    cost.observe_pass(1, 200, 9.0, rows=1)  # a prompt's prefill is not a decoding pass: not fitted
+    assert cost.fit(1)[0] < 0.05
 
 
 def test_speculation_stops_paying_under_load():
     """Same acceptance, same models: at batch 1 drafting pays; in a large batch, where each
     drafted position costs the authority nearly what decoding a token costs, it does not."""
-    est = Estimates(prior=0.8)
+    est = Estimates(prior=0.6)
     est.edge("tiny", "large").prior_weight = 1e9
-    for level, (per_pass, per_position) in {"tiny": (0.001, 0.00001), "large": (0.010, 0.001)}.items():
+    for level, (per_pass, per_row, per_position) in {"tiny": (0.001, 0.00002, 0.00001),
+                                                     "large": (0.010, 0.0006, 0.0012)}.items():
         cost = est.costs.setdefault(level, LevelCost())
-        for width in (1, 4, 16, 64):
-            cost.observe_pass(1, width, per_pass + per_position * width)
-    assert est.path_cost(("tiny", "large"), 8, batch=1)[1]["tiny"] >= 3
+        for batch in (1, 4, 16, 64):
+            for width in (1, 2, 8):
+                cost.observe_pass(1, batch * width, per_pass + per_row * batch + per_position * batch * width,
+                                  rows=batch)
+    assert est.path_cost(("tiny", "large"), 8, batch=1)[1]["tiny"] >= 2
     assert est.path_cost(("tiny", "large"), 8, batch=64)[1]["tiny"] == 0
     policy = bound(CostAwarePolicy(explore=0.0), nx.DiGraph([("tiny", "large")]))
     policy.estimates = est
