@@ -192,8 +192,7 @@ class EscalationPolicy(CostAwarePolicy):
 
     def __init__(self, max_lookahead: int = 8, explore: float = 0.05, prior: float = 0.7, decay: float = 0.98,
                  confident: float | None = None, seed: int = 0, verify_budget: int | None = None, warmup: int = 2,
-                 switch_margin: float = 0.05, probe_every: int = 128, optimism: float = 0.0,
-                 pool_weight: float = 20.0):
+                 switch_margin: float = 0.05, probe_every: int = 128, pool_weight: float = 20.0):
         super().__init__(max_lookahead, explore, prior, decay, seed, verify_budget=verify_budget)
         self.confident = None if confident is None else _check_unit("confident", confident)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
@@ -207,8 +206,7 @@ class EscalationPolicy(CostAwarePolicy):
         self._plans = self._rounds = 0
         self._probes: list[tuple[str, ...]] = []  # the rest of the current probe round
         self.contender_margin = 0.25
-        self.optimism = _check_unit("optimism", optimism, 0.0, 10.0)
-        self.estimates.pool_weight = pool_weight
+        self.estimates.pool_weight = pool_weight = _check_unit("pool_weight", pool_weight, 0.0, 1e6)
         self.contexts = {True: Estimates(prior=prior, decay=decay, pool_weight=pool_weight), False: self.estimates}
         self._context = False
         self._all_paths: dict[frozenset[str], list[tuple[str, ...]]] = {}
@@ -228,11 +226,11 @@ class EscalationPolicy(CostAwarePolicy):
         estimates.costs = self.estimates.costs  # costs are measured per level whatever the context
         return estimates
 
-    def _choose(self, ctx: PlanContext) -> tuple[tuple[str, ...], dict[str, int], str]:
-        """(path, lookahead, kind): kind is "probe", "explore" or "exploit"."""
+    def _choose(self, ctx: PlanContext, max_lookahead: int) -> tuple[tuple[str, ...], dict[str, int], str]:
+        """(path, lookahead up to ``max_lookahead``, kind): kind is "probe", "explore" or "exploit"."""
         candidates = self._candidates(ctx)
         estimates = self._estimates()
-        priced = {p: estimates.path_cost(p, self.max_lookahead, batch=ctx.batch_size) for p in candidates}
+        priced = {p: estimates.path_cost(p, max_lookahead, batch=ctx.batch_size) for p in candidates}
         self._plans += 1
         if not self._probes and (self._plans <= self.warmup * len(candidates) or self._plans % self.probe_every == 0):
             self._probes = self._probe_round(priced)
@@ -242,12 +240,8 @@ class EscalationPolicy(CostAwarePolicy):
         drafting = [p for p in candidates if len(p) > 1]
         if drafting and self._exploring():
             path = self.rng.choice(drafting)
-            return path, {n: self.rng.randint(1, min(8, self.max_lookahead)) for n in path[:-1]}, "explore"
-        # Choose by the optimistic price (upper confidence bounds on acceptance): a path whose
-        # estimates are still loose gets tried until they settle, which tells near-equal paths
-        # apart where probes alone would take too long.
-        score = {p: estimates.path_cost(p, self.max_lookahead, batch=ctx.batch_size, optimism=self.optimism)[0]
-                 for p in candidates} if self.optimism else {p: priced[p][0] for p in candidates}
+            return path, {n: self.rng.randint(1, min(8, max_lookahead)) for n in path[:-1]}, "explore"
+        score = {p: priced[p][0] for p in candidates}
         path = min(score, key=score.get)
         # Hysteresis: leave the current path only for one that is clearly cheaper, so that
         # near-equal paths do not flap the choice on noise.
@@ -271,7 +265,7 @@ class EscalationPolicy(CostAwarePolicy):
         return paths
 
     def plan(self, ctx: PlanContext) -> StepPlan:
-        path, lookahead, _ = self._choose(ctx)
+        path, lookahead, _ = self._choose(ctx, self.max_lookahead)
         return self._under_load(ctx, path, lookahead)
 
     def observe(self, feedback: StepFeedback) -> None:
@@ -291,7 +285,8 @@ class AutoPolicy(EscalationPolicy):
     which one more token stops paying: drafting it costs the drafter's pass plus the
     verifier's extra position, and it earns that token's chance of acceptance times the
     seconds a committed token costs on this path. ``stop_threshold`` fixes that threshold
-    instead; ``stop: false`` switches the stop off (lookahead from the cost model alone).
+    instead; ``stop: false`` switches the stop off (lookahead from the cost model alone). Paths
+    are priced with blocks of at most ``price_lookahead``.
     """
 
     name = "auto"
@@ -299,9 +294,9 @@ class AutoPolicy(EscalationPolicy):
     def __init__(self, max_lookahead: int = 32, explore: float = 0.0, prior: float = 0.7, decay: float = 0.999,
                  confident: float | None = None, stop: bool = True, stop_threshold: float | None = None,
                  seed: int = 0, verify_budget: int | None = None, warmup: int = 2, switch_margin: float = 0.05,
-                 probe_every: int = 128, optimism: float = 0.0, pool_weight: float = 20.0, price_lookahead: int = 12):
+                 probe_every: int = 128, pool_weight: float = 20.0, price_lookahead: int = 12):
         super().__init__(max_lookahead, explore, prior, decay, confident, seed, verify_budget, warmup, switch_margin,
-                         probe_every, optimism, pool_weight)
+                         probe_every, pool_weight)
         if not isinstance(stop, bool):
             raise PolicyError(f"stop: expected true or false, got {stop!r}")
         self.stop = stop
@@ -309,14 +304,10 @@ class AutoPolicy(EscalationPolicy):
         self.price_lookahead = _check_lookahead("price_lookahead", price_lookahead)
 
     def plan(self, ctx: PlanContext) -> StepPlan:
-        if self.stop:
-            saved, self.max_lookahead = self.max_lookahead, min(self.max_lookahead, self.price_lookahead)
-            try:
-                path, lookahead, kind = self._choose(ctx)
-            finally:
-                self.max_lookahead = saved
-        else:
-            path, lookahead, kind = self._choose(ctx)
+        # With the stop, the price only has to rank paths: price with short blocks, the stop and
+        # the long cap decide the block length.
+        path, lookahead, kind = self._choose(ctx, min(self.max_lookahead, self.price_lookahead)
+                                             if self.stop else self.max_lookahead)
         plan = self._under_load(ctx, path, lookahead)
         if not self.stop or kind == "explore" or len(plan.path) < 2:
             return plan

@@ -37,10 +37,8 @@ class EdgeAcceptance:
             self.seen[j] += 1.0
             self.accepted[j] += 1.0 if j < accepted else 0.0
 
-    def rate(self, j: int, optimism: float = 0.0, prior: float | None = None, prior_weight: float | None = None
-             ) -> float:
-        """Estimated acceptance at position j (later positions borrow the last one seen), plus
-        ``optimism`` standard errors (an upper confidence bound, for choosing what to try).
+    def rate(self, j: int, prior: float | None = None, prior_weight: float | None = None) -> float:
+        """Estimated acceptance at position j (later positions borrow the last one seen).
         ``prior``/``prior_weight`` replace the edge's own prior (e.g. a pooled rate)."""
         prior = self.prior if prior is None else prior
         pw = self.prior_weight if prior_weight is None else prior_weight
@@ -50,8 +48,6 @@ class EdgeAcceptance:
             j = min(j, len(self.seen) - 1)
             weight = self.seen[j] + pw
             mean = (self.accepted[j] + prior * pw) / weight if weight else prior
-        if optimism and weight:
-            mean = min(1.0, mean + optimism * (mean * (1 - mean) / weight) ** 0.5)
         return mean
 
     def expected_tokens(self, k: int) -> float:
@@ -264,7 +260,7 @@ class Estimates:
         self.costs.setdefault(cost.level, LevelCost()).observe_pass(cost.passes, cost.tokens, cost.seconds, rows)
 
     def path_cost(self, path: tuple[str, ...], max_lookahead: int, default_cost: float = 1e-3, batch: int = 1,
-                  rates: dict[str, float] | None = None, optimism: float = 0.0) -> tuple[float, dict[str, int]]:
+                  rates: dict[str, float] | None = None) -> tuple[float, dict[str, int]]:
         """Expected seconds per token the authority commits along ``path``, for one of ``batch``
         sequences, and the lookahead per level that minimises it (the seed's speedup equation,
         §9, applied edge by edge).
@@ -273,7 +269,7 @@ class Estimates:
         in rounds: k tokens from below (k times the cost per token below) plus one forward pass
         of its own over k + 1 positions, yielding ``expected_tokens(k)`` tokens. The best k per
         edge is chosen bottom-up (``rates``, if given, receives each level's seconds per token it
-        emits; ``optimism`` prices with upper confidence bounds on acceptance). With
+        emits). With
         ``pool_weight``, an edge's acceptance is shrunk towards the rate pooled over all edges
         into the same verifier, worth that many observations: drafters checked by one model
         accept alike unless measured otherwise, so a rarely tried edge is priced mostly by its
@@ -303,8 +299,7 @@ class Estimates:
             expected, survive = 1.0, 1.0  # expected_tokens(k), built up incrementally
             for k in range(1, max_lookahead + 1):
                 pool = pooled(level, k - 1)
-                survive *= acc.rate(k - 1, optimism) if pool is None else \
-                    acc.rate(k - 1, optimism, prior=pool, prior_weight=self.pool_weight)
+                survive *= acc.rate(k - 1) if pool is None else acc.rate(k - 1, pool, self.pool_weight)
                 expected += survive
                 per = (k * per_token + cost(level, k + 1)) / expected
                 if per < best:
