@@ -264,8 +264,10 @@ class Engine:
             alone = [a for a, b in enumerate(active) if not subs[b][0]]
             sampled = {}
             if alone:
-                picked = sample_with_uniform(torch.stack([level_probs[a][0] for a in alone]),
-                                             torch.stack([uniforms[a][0] for a in alone]))
+                stacked = torch.stack([level_probs[a][0] for a in alone])
+                # greedy rows are one-hot: inverse-CDF sampling returns the hot token for any uniform
+                picked = stacked.argmax(-1) if sampling.greedy else \
+                    sample_with_uniform(stacked, torch.stack([uniforms[a][0] for a in alone]))
                 sampled = dict(zip(alone, picked.tolist()))
             for a, b in enumerate(active):
                 records[b].cost(level, share, 1)

@@ -97,7 +97,8 @@ class Worker(abc.ABC):
             last_logits = torch.stack([x[-1] for x in logits])  # [n, vocab]
             probs = sampling.probs(last_logits)
             draws = torch.stack([uniforms[b][len(drafted[b])] for b in active]).to(torch.float64)
-            tokens = sample_with_uniform(probs, draws)
+            # greedy rows are one-hot: inverse-CDF sampling returns the hot token for any uniform
+            tokens = probs.argmax(-1) if sampling.greedy else sample_with_uniform(probs, draws)
             logits64 = last_logits.to(torch.float64)
             token_probs = torch.exp(logits64.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits64, -1)).tolist()
             still = []

@@ -238,6 +238,7 @@ def _buffer_layer(kbuf, vbuf, length: int):
         class BufferLayer(DynamicLayer):
             def __init__(self, kbuf, vbuf, length):
                 super().__init__()
+                self.compact_views = False
                 self.kbuf, self.vbuf, self.length = kbuf, vbuf, length
                 self.capacity = 0 if kbuf is None else kbuf.shape[2]
                 self.is_initialized = kbuf is not None
@@ -259,6 +260,8 @@ def _buffer_layer(kbuf, vbuf, length: int):
                 self.vbuf.narrow(2, self.length, width).copy_(value_states)
                 self.length = end
                 self.keys, self.values = self.kbuf.narrow(2, 0, end), self.vbuf.narrow(2, 0, end)
+                if self.compact_views:  # attention reads a small contiguous copy faster than a strided view
+                    return self.keys.contiguous(), self.values.contiguous()
                 return self.keys, self.values
 
             def get_seq_length(self) -> int:
@@ -498,6 +501,11 @@ class _Pool:
                 for layer in layers:
                     layer.length = used
         keep = max(num_positions)  # logits only for the last positions any row needs
+        # A small cache is copied to contiguous keys/values for attention (cheaper than the
+        # strided read); a large one is read in place (a copy would cost more than it saves).
+        compact = size * (used + width) <= 4096
+        for layer in layers:
+            layer.compact_views = compact
         from transformers.cache_utils import Cache
 
         out = worker.model(input_ids=input_ids.to(dev), attention_mask=mask, position_ids=positions.to(dev),
