@@ -176,7 +176,8 @@ class EscalationPolicy(CostAwarePolicy):
     costs (``Estimates.path_cost``): a level whose edge does not pay for its cost
     (A <= 1 + T_draft / T_verify) makes its paths dearer and is skipped. Untried paths start
     from an optimistic prior. Probe rounds — every path once, in random order, ``warmup``
-    rounds at the start, then one round of the contenders every ``probe_every`` steps — keep
+    rounds at the start, then one round of the contenders every ``probe_every`` steps (a step
+    of a batch of B counting 1/B: a probe of a large batch is dear and teaches a lot) — keep
     every edge's estimates sampled across the run: acceptance swings several-fold between
     texts, so estimates of paths measured at different times would not compare. The current
     path is kept unless another is priced ``switch_margin`` cheaper. A random path is also
@@ -204,6 +205,7 @@ class EscalationPolicy(CostAwarePolicy):
         self.probe_every = probe_every
         self._current: dict[frozenset[str], tuple[str, ...]] = {}
         self._plans = self._rounds = 0
+        self._since_probe = 0.0
         self._probes: list[tuple[str, ...]] = []  # the rest of the current probe round
         self.contender_margin = 0.25
         self.estimates.pool_weight = pool_weight = _check_unit("pool_weight", pool_weight, 0.0, 1e6)
@@ -232,7 +234,12 @@ class EscalationPolicy(CostAwarePolicy):
         estimates = self._estimates()
         priced = {p: estimates.path_cost(p, max_lookahead, batch=ctx.batch_size) for p in candidates}
         self._plans += 1
-        if not self._probes and (self._plans <= self.warmup * len(candidates) or self._plans % self.probe_every == 0):
+        # A probe step runs the whole batch on a path that is probably worse, and teaches in
+        # proportion to the batch: so probes come every ``probe_every`` steps of one sequence
+        # (a step of a batch of B counts 1/B).
+        self._since_probe += 1.0 / max(1, ctx.batch_size)
+        if not self._probes and (self._plans <= self.warmup * len(candidates) or self._since_probe >= self.probe_every):
+            self._since_probe = 0.0
             self._probes = self._probe_round(priced)
         if self._probes:
             path = self._probes.pop()

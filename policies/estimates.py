@@ -130,6 +130,7 @@ class LevelCost:
     decay: float = 0.9
     seconds: float | None = None  # moving average of seconds per pass (the fallback)
     prefill_positions: int = 40
+    min_calls: int = 8
     buckets: dict[int, PassModel] = field(default_factory=dict)
 
     def observe(self, seconds: float, passes: int) -> None:
@@ -147,11 +148,13 @@ class LevelCost:
 
     def fit(self, batch: int = 1) -> tuple[float, float] | None:
         """(seconds per pass, per position) at this batch size: its bucket's, else the nearest
-        bucket's measured; None if none is."""
+        measured bucket's (preferring fits of at least ``min_calls`` calls); None if none is."""
         if not self.buckets:
             return None
         want = batch_bucket(batch)
-        nearest = min(self.buckets, key=lambda k: (abs(k - want), -k))
+        # the nearest bucket with enough calls behind its fit (a young fit splits badly)
+        settled = [k for k, m in self.buckets.items() if m.calls >= self.min_calls] or list(self.buckets)
+        nearest = min(settled, key=lambda k: (abs(k - want), -k))
         return self.buckets[nearest].fit
 
     def per_sequence(self, batch: int, width: int) -> float | None:
