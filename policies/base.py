@@ -54,11 +54,13 @@ class DraftStep:
 
 
 def draft_step(index: int, logits: torch.Tensor, token: int, prev_block_prob: float = 1.0,
-               previous: DraftStep | None = None) -> DraftStep:
+               previous: DraftStep | None = None, token_prob: float | None = None) -> DraftStep:
     """The :class:`DraftStep` for a token drafted from ``logits`` [vocab], after ``previous``
-    (the block's step before; its ``block_prob`` then replaces ``prev_block_prob``)."""
+    (the block's step before; its ``block_prob`` then replaces ``prev_block_prob``).
+    ``token_prob``, if the caller computed it already (for a whole batch at once), is used."""
     logits = logits.to(torch.float64)
-    token_prob = float(torch.exp(logits[token] - torch.logsumexp(logits, -1)))
+    if token_prob is None:
+        token_prob = float(torch.exp(logits[token] - torch.logsumexp(logits, -1)))
     if previous is not None:
         prev_block_prob = previous.block_prob
         previous.previous = None  # keep one link: a rule reads its state from the step before

@@ -17,7 +17,7 @@ import torch
 
 from cascade.sampling import Sampling
 from cascade.verify import sample_with_uniform
-from policies.base import DraftStep, StopRule
+from policies.base import StopRule, draft_step
 
 
 @dataclass
@@ -110,7 +110,7 @@ class Worker(abc.ABC):
                 confidence[b].append(token_probs[a])
                 done = len(drafted[b]) >= max_tokens[b]
                 if stop is not None:
-                    step = last[b] = _draft_step(j, logits64[a], token_probs[a], last[b])
+                    step = last[b] = draft_step(j, logits64[a], token, previous=last[b], token_prob=token_probs[a])
                     if not done and stop.should_stop(step):
                         done = stopped[b] = True
                 if not done:
@@ -127,13 +127,3 @@ class Worker(abc.ABC):
 
     def close(self) -> None:
         """Free resources (models, caches)."""
-
-
-def _draft_step(index: int, logits: torch.Tensor, token_prob: float, previous: DraftStep | None) -> DraftStep:
-    """``policies.base.draft_step`` with the token's probability already computed (batched):
-    the same step, the same one link to the block's previous step."""
-    prev_block_prob = 1.0
-    if previous is not None:
-        prev_block_prob = previous.block_prob
-        previous.previous = None
-    return DraftStep(index, token_prob, prev_block_prob * token_prob, logits, previous=previous)
