@@ -20,3 +20,12 @@ date
 cascade bench --topology topologies/4level.yaml --batch-sizes 1,4,16,64 --max-new-tokens 32 \
     --out $R/batch --no-progress 2>&1 | grep -v "Loading weights" > $R/batch.txt
 date
+cascade bench --topology topologies/4level.yaml --batch-sizes 1,4,16,64 --max-new-tokens 32 \
+    --policy 'fixed:path=[large]' --out $R/batch-authority-alone --no-progress 2>&1 | grep -v "Loading weights" > $R/batch-authority-alone.txt
+date
+# what any lookahead rule could gain over the best fixed one on tiny -> large (replay + oracle)
+mkdir -p $R/headroom
+python examples/reports/headroom.py --drafter examples/models/tiny --verifier examples/models/large \
+    --prompts examples/prompts/tuning.jsonl --num-prompts 24 --out $R/headroom/tiny-large.json 2>&1 \
+    | grep -v "Loading weights" > $R/headroom/tiny-large.md
+date
