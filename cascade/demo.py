@@ -41,9 +41,12 @@ def run(args) -> int:
             print("error: demo needs a transformers authority to compare against", file=sys.stderr)
             return 1
         tok = c.tokenizer
-        # Warm-up: first calls pay for allocation and lazy initialisation.
-        c.generate(prompts[0], max_new_tokens=8, temperature=0.0)
-        plain_generate(model, tok.encode(prompts[0]), 8)
+        # Warm-up: first calls pay for allocation and lazy initialisation, and an adaptive
+        # policy measures the levels and paths (on a prompt from the end of the file, which the
+        # timed runs use only if the file is short).
+        warm = load_prompts(args.prompts)[-1]
+        c.generate(warm, max_new_tokens=64, temperature=0.0)
+        plain_generate(model, tok.encode(warm), 8)
 
         total = RequestStats(c.topology.authority)
         plain_tokens = plain_seconds = 0

@@ -32,10 +32,15 @@ def check(worker, model, seq_ids, token_ids, nums):
         torch.testing.assert_close(logits, solo_logits(model, list(toks), n), rtol=0, atol=TOL)
 
 
-def test_pool_is_used_for_llama(model):
+def test_pool_is_used_for_llama_batches_and_a_solo_sequence_joins_it(model):
     worker = HFWorker.from_model(model)
-    worker.score(["a"], [[1, 2, 3]], [1])
-    assert worker._pool and worker._pool.row_of == {"a": 0}
+    check(worker, model, ["a"], [[1, 2, 3]], [1])  # alone: its own cache (faster at batch 1)
+    check(worker, model, ["a"], [[1, 2, 3, 4, 5]], [2])
+    assert worker._pool is not None and not worker._pool.row_of and "a" in worker._caches
+    check(worker, model, ["a", "b"], [[1, 2, 3, 4, 5, 6], [7, 8]], [1, 2])  # batched: the pool
+    assert set(worker._pool.row_of) == {"a", "b"} and not worker._caches
+    check(worker, model, ["a"], [[1, 2, 3, 4, 9]], [1])  # alone again, but the pool holds it
+    assert "a" not in worker._caches
 
 
 def test_ragged_batches_equal_solo(model, tokenizer):
