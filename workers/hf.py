@@ -256,9 +256,9 @@ def _buffer_layer(kbuf, vbuf, length: int):
                 end = self.length + key_states.shape[-2]
                 if self.kbuf is None:  # the first pass of an empty pool: allocate
                     shape = (*key_states.shape[:2], max(self.capacity, end), key_states.shape[-1])
-                    # uninitialised: a column is always written before it is first read
-                    self.kbuf = key_states.new_empty(shape)
-                    self.vbuf = value_states.new_empty(shape[:3] + (value_states.shape[-1],))
+                    # zeroed: a masked column still enters attention as 0 x value, so garbage (NaN) must not
+                    self.kbuf = key_states.new_zeros(shape)
+                    self.vbuf = value_states.new_zeros(shape[:3] + (value_states.shape[-1],))
                     self.device = key_states.device
                     self.is_initialized = True
                 width = end - self.length
@@ -365,7 +365,7 @@ class _Pool:
                                                         dtype=torch.bool, device=dev)], dim=1)
         if self.kbufs is not None:
             def grow(buf):
-                new = buf.new_empty(buf.shape[:2] + (capacity, buf.shape[3]))  # columns past used: written first
+                new = buf.new_zeros(buf.shape[:2] + (capacity, buf.shape[3]))  # zeroed: masked columns are read too
                 new[:, :, :self.used] = buf[:, :, :self.used]
                 return new
 
