@@ -65,7 +65,8 @@ class RequestState:
         held = self.level_tokens.get(level, [])
         n = min(len(held), len(tokens) - num_positions)
         keep = n if held[:n] == tokens[:n] else next((i for i in range(n) if held[i] != tokens[i]), n)
-        self.level_tokens[level] = tokens[:cached_after]
+        # the callers build ``tokens`` afresh for each call: keep it, no copy, when it is all cached
+        self.level_tokens[level] = tokens if cached_after == len(tokens) else tokens[:cached_after]
         return len(tokens) - keep
 
 
