@@ -369,13 +369,19 @@ def write_report(out: Path, reports: list[ConfigReport], samples: list[Sample], 
         plt.close(fig)
 
 
-def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], max_new_tokens: int = 64,
-                    policy: str | None = None, out: str | Path | None = None, progress: bool = True) -> list[dict]:
-    """Throughput under load: for each batch size B, B prompts run together, by plain batched
-    decoding of the authority (transformers ``generate`` with left padding) and by the cascade
-    (``generate(..., batch_size=B)``), alternating which goes first, after an untimed cascade
-    run at that batch size (one policy instance lives through the whole bench, as in a server).
-    Reports total tokens/s and mean per-request latency of each, and their ratio."""
+def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], max_new_tokens: int = 128,
+                    policy: str | None = None, out: str | Path | None = None, progress: bool = True,
+                    requests: int = 32, repeats: int = 1) -> list[dict]:
+    """Throughput under load: at each concurrency B, the same ``max(requests, B)`` requests
+    (the prompts, cycled) are served B at a time, by plain batched decoding of the authority
+    (transformers ``generate`` with left padding, in batches of B) and by the cascade
+    (``generate(..., batch_size=B)``: continuous batching, a finished request's place goes to
+    the next), alternating which goes first, ``repeats`` times, after an untimed cascade run
+    at that concurrency (one policy instance lives through the whole bench, as in a server).
+    Reports total tokens/s and mean per-request latency of each, and the ratio of throughputs
+    (median over repeats, with its range)."""
+    import statistics
+
     import torch
     from tqdm import tqdm
 
@@ -389,54 +395,78 @@ def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], m
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         pol = make_policy(*parse_policy_spec(policy)) if policy else None
 
-        def plain(batch: list[str]) -> tuple[int, float]:
-            enc = [tok.encode(p) for p in batch]
-            width = max(len(e) for e in enc)
-            ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
-            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+        def plain(batch: list[str], size: int) -> tuple[int, float, float]:
+            """(tokens, seconds, mean latency per request) serving ``batch`` in batches of ``size``; a
+            request's latency is its batch's time (time waiting for a slot is not counted)."""
+            tokens, seconds, latency = 0, 0.0, 0.0
+            for i in range(0, len(batch), size):
+                enc = [tok.encode(p) for p in batch[i:i + size]]
+                width = max(len(e) for e in enc)
+                ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
+                mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    out_ids = model.generate(ids, attention_mask=mask, do_sample=False,
+                                             max_new_tokens=max_new_tokens, pad_token_id=pad)
+                spent = time.perf_counter() - t0
+                eos = tok.eos_token_id
+                tokens += sum(int((row != eos).cumprod(0).sum()) + int((row == eos).any())
+                              for row in out_ids[:, width:])
+                seconds += spent
+                latency += spent * len(enc)
+            return tokens, seconds, latency / len(batch)
+
+        def cascade(batch: list[str], size: int) -> tuple[int, float, float]:
             t0 = time.perf_counter()
-            with torch.inference_mode():
-                out_ids = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                                         pad_token_id=pad)
+            gs = c.generate(batch, max_new_tokens=max_new_tokens, temperature=0.0, batch_size=size, policy=pol)
             seconds = time.perf_counter() - t0
-            new = out_ids[:, width:]
-            eos = tok.eos_token_id
-            tokens = sum(int((row != eos).cumprod(0).sum()) + int((row == eos).any()) for row in new)
-            return tokens, seconds
+            # a request's latency runs from when it joined the batch to its end
+            return sum(len(g.token_ids) for g in gs), seconds, statistics.fmean(g.stats.wall_seconds for g in gs)
 
-        def cascade(batch: list[str]) -> tuple[int, float]:
-            t0 = time.perf_counter()
-            gs = c.generate(batch, max_new_tokens=max_new_tokens, temperature=0.0, batch_size=len(batch), policy=pol)
-            return sum(len(g.token_ids) for g in gs), time.perf_counter() - t0
-
-        plain(prompts[:2])
-        cascade(prompts[:2])  # warm-up
-        for i, size in enumerate(tqdm(batch_sizes, desc="batch sizes", disable=not progress, file=sys.stderr)):
-            batch = [prompts[j % len(prompts)] for j in range(size)]
+        plain(prompts[:2], 2)
+        cascade(prompts[:2], 2)  # warm-up
+        bar = tqdm(total=len(batch_sizes) * repeats, desc="batch sizes", disable=not progress, file=sys.stderr)
+        for i, size in enumerate(batch_sizes):
+            batch = [prompts[j % len(prompts)] for j in range(max(requests, size))]
             # a serving policy lives on: let it learn this batch size (costs, paths) untimed first
-            cascade(batch)
-            runs = {}
-            for name in (("plain", "cascade") if i % 2 == 0 else ("cascade", "plain")):
-                runs[name] = (plain if name == "plain" else cascade)(batch)
-            (pt, ps), (ct, cs) = runs["plain"], runs["cascade"]
-            rows.append({"batch_size": size, "plain_tokens_per_second": pt / ps, "cascade_tokens_per_second": ct / cs,
-                         "plain_latency_s": ps, "cascade_latency_s": cs, "ratio": (ct / cs) / (pt / ps)})
+            cascade(batch[:size], size)
+            runs: dict[str, list[tuple[int, float, float]]] = {"plain": [], "cascade": []}
+            for r in range(repeats):
+                for name in (("plain", "cascade") if (i + r) % 2 == 0 else ("cascade", "plain")):
+                    runs[name].append((plain if name == "plain" else cascade)(batch, size))
+                bar.update()
+            ratios = [(ct / cs) / (pt / ps) for (pt, ps, _), (ct, cs, _) in zip(runs["plain"], runs["cascade"])]
+            med = {name: [statistics.median(x[k] for x in runs[name]) for k in range(3)] for name in runs}
+            rows.append({"batch_size": size, "requests": len(batch), "repeats": repeats,
+                         "plain_tokens_per_second": statistics.median(t / s for t, s, _ in runs["plain"]),
+                         "cascade_tokens_per_second": statistics.median(t / s for t, s, _ in runs["cascade"]),
+                         "plain_latency_s": med["plain"][2], "cascade_latency_s": med["cascade"][2],
+                         "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                         "ratios": ratios})
+        bar.close()
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "batch.json").write_text(json.dumps({"topology": topology, "max_new_tokens": max_new_tokens,
-                                                    "policy": policy, "rows": rows}, indent=1))
+                                                    "policy": policy, "requests": requests, "repeats": repeats,
+                                                    "rows": rows}, indent=1))
         (out / "batch.md").write_text(batch_markdown(rows, topology, max_new_tokens))
     return rows
 
 
 def batch_markdown(rows: list[dict], topology: str, max_new_tokens: int) -> str:
-    lines = [f"Topology `{topology}`, {max_new_tokens} new tokens per request, greedy; B requests start together.",
-             "", "| batch size | plain tokens/s | cascade tokens/s | cascade ÷ plain | plain latency (s) | "
+    r0 = rows[0] if rows else {}
+    lines = [f"Topology `{topology}`, greedy, {max_new_tokens} new tokens per request; at each concurrency B the same "
+             f"{r0.get('requests', '?')} requests (64 at B = 64) are served B at a time: plain = transformers `generate` "
+             f"of the authority in batches of B, cascade = `generate(..., batch_size=B)` (continuous batching). Latency: "
+             f"mean per request, from the start of its batch (plain) or its joining (cascade) to its end. "
+             f"Ratios are the median of {r0.get('repeats', 1)} side-by-side repeats (range in brackets).", "",
+             "| concurrency B | plain tokens/s | cascade tokens/s | cascade ÷ plain | plain latency (s) | "
              "cascade latency (s) |", "|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        spread = f" [{r['ratio_min']:.2f}–{r['ratio_max']:.2f}]" if r.get("repeats", 1) > 1 else ""
         lines.append(f"| {r['batch_size']} | {r['plain_tokens_per_second']:.1f} | {r['cascade_tokens_per_second']:.1f} "
-                     f"| {r['ratio']:.2f}x | {r['plain_latency_s']:.2f} | {r['cascade_latency_s']:.2f} |")
+                     f"| {r['ratio']:.2f}x{spread} | {r['plain_latency_s']:.2f} | {r['cascade_latency_s']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -459,6 +489,8 @@ def add_parser(sub) -> None:
                    help="throughput mode: comma-separated batch sizes (e.g. 1,4,16,64), plain batched decoding "
                         "vs the batched cascade")
     p.add_argument("--policy", default=None, help="cascade policy for --batch-sizes (default: the topology's)")
+    p.add_argument("--requests", type=int, default=32,
+                   help="--batch-sizes: requests served at each concurrency (at least the batch size)")
     p.add_argument("--out", required=True)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_main)
@@ -473,7 +505,7 @@ def _main(args) -> int:
     if args.batch_sizes:
         sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
         run_batch_bench(args.topology, prompts, sizes, args.max_new_tokens, args.policy, args.out,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, requests=args.requests, repeats=args.repeats)
         print((Path(args.out) / "batch.md").read_text())
         print(f"({time.perf_counter() - t0:.0f} s; report in {args.out})")
         return 0

@@ -76,6 +76,16 @@ class StopRule(abc.ABC):
     @abc.abstractmethod
     def should_stop(self, step: DraftStep) -> bool: ...
 
+    def stop_batch(self, steps: "list[DraftStep]", batch: int) -> list[bool]:
+        """The decisions for the rows of a batch that drafted a token in the same pass (one
+        step each), out of ``batch`` rows whose blocks the draft call builds (rows that already
+        ended their block count, the ``steps`` are the others). The default decides each row
+        on its own. A rule may decide for the rows together — they share the verifier's pass,
+        which is as wide as the longest block — still only from the drafters' own
+        distributions: another row's draft is independent of this row's verification, so each
+        row's block length stays a stopping time of its proposer."""
+        return [self.should_stop(step) for step in steps]
+
 
 @dataclass(frozen=True)
 class PlanContext:

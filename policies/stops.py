@@ -57,10 +57,24 @@ class CalibratedStop(StopRule):
     later: tuple[float, ...]
     threshold: float
 
-    def should_stop(self, step: DraftStep) -> bool:
+    def survival(self, step: DraftStep) -> float:
+        """The estimated probability that the block up to ``step`` is accepted whole."""
         previous = step.previous
         survival = previous.memo if previous is not None and previous.memo is not None else 1.0
         table = self.first if step.index == 0 else self.later
         survival *= table[confidence_bin(step.token_prob)]
         step.memo = survival
-        return survival < self.threshold
+        return survival
+
+    def should_stop(self, step: DraftStep) -> bool:
+        return self.survival(step) < self.threshold
+
+    def stop_batch(self, steps: list[DraftStep], batch: int) -> list[bool]:
+        """Rows of a batch go on or stop together. The verifier scores every row as wide as
+        the longest block, so one more drafted column costs the batch a drafter pass and a
+        verifier position per row whichever rows use it, and earns the sum of their
+        survivals: the rows go on while that sum is at least ``threshold`` per row (rows that
+        already ended add nothing). A lone row is :meth:`should_stop`."""
+        survival = [self.survival(step) for step in steps]
+        stop = sum(survival) < self.threshold * max(batch, len(steps))
+        return [stop] * len(steps)

@@ -47,10 +47,13 @@ def test_bench_batch_sizes(family, tmp_path, capsys):
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):\n", "import os\n", "class A:\n"]))
     out = tmp_path / "batch"
     assert main(["bench", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "8",
-                 "--batch-sizes", "1,3", "--out", str(out), "--no-progress"]) == 0
+                 "--batch-sizes", "1,3", "--requests", "4", "--repeats", "2", "--out", str(out), "--no-progress"]) == 0
     rows = json.loads((out / "batch.json").read_text())["rows"]
     assert [r["batch_size"] for r in rows] == [1, 3]
-    for r in rows:
+    for r in rows:  # the same 4 requests served 1 and 3 at a time, twice
+        assert r["requests"] == 4 and len(r["ratios"]) == 2
         assert r["plain_tokens_per_second"] > 0 and r["cascade_tokens_per_second"] > 0
-        assert r["ratio"] == pytest.approx(r["cascade_tokens_per_second"] / r["plain_tokens_per_second"])
+        assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
+        assert r["ratio"] == pytest.approx(sum(r["ratios"]) / 2)  # the median of two
+        assert r["plain_latency_s"] > 0 and r["cascade_latency_s"] > 0
     assert "| 3 |" in capsys.readouterr().out

@@ -22,12 +22,16 @@ ADAPTIVE = [
     ("escalation", {"max_lookahead": 3, "explore": 0.3}),
     ("auto", {"max_lookahead": 3, "explore": 0.3, "stop_threshold": 0.8, "warmup": 1, "probe_every": 4}),
 ]
+AUTO = ADAPTIVE[-1][1]
 
 
-@pytest.mark.parametrize("name,params", ADAPTIVE, ids=[f"{n}-{i}" for i, (n, _) in enumerate(ADAPTIVE)])
-def test_joint_distribution_under_adaptive_policies(tmp_path, name, params):
+@pytest.mark.parametrize("name,params,batch_size", [(n, p, 1) for n, p in ADAPTIVE] + [("auto", AUTO, 64)],
+                         ids=[f"{n}-{i}" for i, (n, _) in enumerate(ADAPTIVE)] + ["auto-batched"])
+def test_joint_distribution_under_adaptive_policies(tmp_path, name, params, batch_size):
     """Adaptive stopping is a stopping time of the proposer and path/lookahead choices depend
-    only on earlier steps, so the output stays exact: the same bound holds."""
+    only on earlier steps, so the output stays exact: the same bound holds. Batched, auto's
+    stop decides for the rows of a draft call together (one row's block length depends on
+    the other rows' drafts, which are independent of its verification)."""
     n = 100_000
     policy = {"name": name, "params": params}
     levels = [{"name": nm, "kind": "table_worker:TableWorker",
@@ -37,7 +41,7 @@ def test_joint_distribution_under_adaptive_policies(tmp_path, name, params):
             "edges": [["small", "medium"], ["medium", "large"], ["small", "large"]]}
     topo = str(write_topology(tmp_path / "adaptive.yaml", data))
     with Cascade.from_topology(topo) as c:
-        results = c.generate([PROMPT] * n, max_new_tokens=MAX_NEW, seed=21, temperature=1.0)
+        results = c.generate([PROMPT] * n, max_new_tokens=MAX_NEW, seed=21, temperature=1.0, batch_size=batch_size)
     counts = Counter(tuple(g.token_ids[:2]) for g in results)
     expected = exact_pairs(3, 1.0, 0, 1.0)
     stat, pvalue = chi_square_pvalue(counts, expected, n)
@@ -45,7 +49,7 @@ def test_joint_distribution_under_adaptive_policies(tmp_path, name, params):
     assert total_variation(counts, expected, n) < 0.012
     # the policy really steered: stops fired, or more than one path was taken
     total = results[0].stats
-    for g in results[1:2000]:
+    for g in results[1:5000]:
         total.merge(g.stats)
     stops = sum(s.early_stops for s in total.levels.values())
     if name in ("confidence", "entropy", "auto"):

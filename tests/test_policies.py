@@ -231,6 +231,26 @@ def test_calibrated_stop_multiplies_measured_acceptance():
     assert rule.should_stop(s3) and s3.memo == pytest.approx(0.9 * 0.95 * 0.5 * 0.5)
 
 
+def test_calibrated_stop_decides_a_batch_together():
+    """Rows share the verifier's width: they go on while their survivals sum to at least
+    threshold per row of the batch, and then all stop; a lone row is should_stop."""
+    rule = CalibratedStop(tuple(0.9 for _ in BINS), tuple(0.5 if lo < 0.3 else 0.95 for lo in BINS), threshold=0.5)
+    sure = torch.log(torch.tensor([0.8, 0.1, 0.1]))
+    s = [draft_step(0, sure, 0), draft_step(0, sure, 1), draft_step(0, sure, 1)]  # survivals 0.9 each
+    assert rule.stop_batch(s, 3) == [False] * 3
+    # the next column: 0.855, 0.45, 0.45 -> sum 1.755 >= 1.5: the unsure rows go on with the sure one
+    s = [draft_step(1, sure, 0, previous=s[0]), draft_step(1, sure, 1, previous=s[1]),
+         draft_step(1, sure, 1, previous=s[2])]
+    assert rule.stop_batch(s, 3) == [False] * 3
+    assert rule.should_stop(s[1])  # alone, an unsure row would have stopped (0.45 < 0.5)
+    # one row ended its block (budget): it adds nothing but still counts: 0.81 + 0.43 < 0.5 * 3
+    s = [draft_step(2, sure, 0, previous=s[0]), draft_step(2, sure, 0, previous=s[1])]
+    assert rule.stop_batch(s, 3) == [True, True]
+    lone = draft_step(0, sure, 1)
+    assert rule.stop_batch([lone], 1) == [False]  # 0.9
+    assert rule.stop_batch([draft_step(1, sure, 1, previous=lone)], 1) == [True]  # 0.9 * 0.5 < 0.5
+
+
 def test_auto_drafts_long_blocks_cut_by_a_calibrated_stop():
     graph = nx.DiGraph([("tiny", "large")])
 

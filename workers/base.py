@@ -101,21 +101,24 @@ class Worker(abc.ABC):
             tokens = probs.argmax(-1) if sampling.greedy else sample_with_uniform(probs, draws)
             logits64 = last_logits.to(torch.float64)
             token_probs = torch.exp(logits64.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits64, -1)).tolist()
-            still = []
+            deciding: list[int] = []  # rows that may still go on: the stop rule decides
+            steps = []
             for a, (b, token) in enumerate(zip(active, tokens.tolist())):
                 j = len(drafted[b])
                 drafted[b].append(token)
                 rows[b].append(probs[a])
                 passes[b] += 1
                 confidence[b].append(token_probs[a])
-                done = len(drafted[b]) >= max_tokens[b]
                 if stop is not None:
-                    step = last[b] = draft_step(j, logits64[a], token, previous=last[b], token_prob=token_probs[a])
-                    if not done and stop.should_stop(step):
-                        done = stopped[b] = True
-                if not done:
-                    still.append(b)
-            active = still
+                    last[b] = draft_step(j, logits64[a], token, previous=last[b], token_prob=token_probs[a])
+                    steps.append(last[b])
+                if len(drafted[b]) < max_tokens[b]:
+                    deciding.append(a)
+            if stop is not None and deciding:
+                verdicts = stop.stop_batch([steps[a] for a in deciding], len(seq_ids))
+                for a, verdict in zip(deciding, verdicts):
+                    stopped[active[a]] = bool(verdict)
+            active = [active[a] for a in deciding if not stopped[active[a]]]
         return [
             Draft(drafted[b], torch.stack(rows[b]) if rows[b] else torch.zeros(0, self.vocab_size), passes[b],
                   confidence[b], stopped[b])
