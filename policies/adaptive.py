@@ -180,8 +180,13 @@ class EscalationPolicy(CostAwarePolicy):
     of a batch of B counting 1/B: a probe of a large batch is dear and teaches a lot) — keep
     every edge's estimates sampled across the run: acceptance swings several-fold between
     texts, so estimates of paths measured at different times would not compare. The current
-    path is kept unless another is priced ``switch_margin`` cheaper. A random path is also
-    explored with probability ``explore`` (decaying with the steps seen).
+    path is kept unless another is priced ``switch_margin`` cheaper. A path that drafts is
+    taken only if it is priced ``draft_margin`` cheaper than the authority decoding alone: a
+    speculative step has costs the price leaves out (the engine's work per drafted token, the
+    verifier scoring every row of a batch as wide as the longest block, cache holes left by
+    rolled-back tokens) — a few percent, which decide where speculation only breaks even, as
+    under heavy load. A random path is also explored with probability ``explore`` (decaying
+    with the steps seen).
 
     With ``confident`` set, acceptance is also kept separately
     for confident and unconfident contexts — the mean probability the first level gave its own
@@ -193,8 +198,10 @@ class EscalationPolicy(CostAwarePolicy):
 
     def __init__(self, max_lookahead: int = 8, explore: float = 0.05, prior: float = 0.7, decay: float = 0.98,
                  confident: float | None = None, seed: int = 0, verify_budget: int | None = None, warmup: int = 2,
-                 switch_margin: float = 0.05, probe_every: int = 128, pool_weight: float = 20.0):
+                 switch_margin: float = 0.05, probe_every: int = 128, pool_weight: float = 20.0,
+                 draft_margin: float = 0.1):
         super().__init__(max_lookahead, explore, prior, decay, seed, verify_budget=verify_budget)
+        self.draft_margin = _check_unit("draft_margin", draft_margin)
         self.confident = None if confident is None else _check_unit("confident", confident)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise PolicyError(f"warmup: expected an integer >= 0, got {warmup!r}")
@@ -248,7 +255,7 @@ class EscalationPolicy(CostAwarePolicy):
         if drafting and self._exploring():
             path = self.rng.choice(drafting)
             return path, {n: self.rng.randint(1, min(8, max_lookahead)) for n in path[:-1]}, "explore"
-        score = {p: priced[p][0] for p in candidates}
+        score = {p: priced[p][0] * (1 + self.draft_margin if len(p) > 1 else 1) for p in candidates}
         path = min(score, key=score.get)
         # Hysteresis: leave the current path only for one that is clearly cheaper, so that
         # near-equal paths do not flap the choice on noise.
@@ -301,9 +308,10 @@ class AutoPolicy(EscalationPolicy):
     def __init__(self, max_lookahead: int = 32, explore: float = 0.0, prior: float = 0.7, decay: float = 0.999,
                  confident: float | None = None, stop: bool = True, stop_threshold: float | None = None,
                  seed: int = 0, verify_budget: int | None = None, warmup: int = 2, switch_margin: float = 0.05,
-                 probe_every: int = 128, pool_weight: float = 20.0, price_lookahead: int = 12):
+                 probe_every: int = 128, pool_weight: float = 20.0, price_lookahead: int = 12,
+                 draft_margin: float = 0.1):
         super().__init__(max_lookahead, explore, prior, decay, confident, seed, verify_budget, warmup, switch_margin,
-                         probe_every, pool_weight)
+                         probe_every, pool_weight, draft_margin)
         if not isinstance(stop, bool):
             raise PolicyError(f"stop: expected true or false, got {stop!r}")
         self.stop = stop

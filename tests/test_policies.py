@@ -206,6 +206,27 @@ def test_speculation_stops_paying_under_load():
     assert at(1).path == ("tiny", "large") and at(64).path == ("large",)
 
 
+def test_escalation_drafts_only_for_a_clear_gain():
+    """A path that drafts must be priced ``draft_margin`` cheaper than the authority alone."""
+    graph = nx.DiGraph([("tiny", "large")])
+
+    def choice(margin, acceptance):
+        policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9, draft_margin=margin), graph)
+        est = policy.estimates
+        for level, seconds in (("tiny", 0.0), ("large", 0.010)):  # tiny free; large 10 ms whatever the width
+            for width in (1, 2):
+                for _ in range(10):
+                    est.costs.setdefault(level, LevelCost()).observe_pass(1, width, seconds, rows=1)
+        edge = est.edge("tiny", "large")
+        edge.prior, edge.prior_weight = acceptance, 1e9
+        return policy.plan(PlanContext(graph, "large", 100, 0, frozenset(graph.nodes))).path
+
+    # a block of 1 accepted 9% of the time: 1.09 tokens per large pass, priced 8% cheaper
+    assert choice(0.0, 0.09) == ("tiny", "large")
+    assert choice(0.1, 0.09) == ("large",)  # not a clear gain
+    assert choice(0.1, 0.5) == ("tiny", "large")  # a third cheaper: drafting pays clearly
+
+
 def test_calibration_maps_confidence_to_acceptance():
     cal = Calibration(prior=0.5, prior_weight=0.0, decay=1.0)
     for _ in range(10):  # confident tokens accepted, unsure ones (p < 0.02) rejected

@@ -340,12 +340,19 @@ class _Pool:
             self.cols[r] = list(range(width - n, width))
         if self.kbufs is not None:
             rows = torch.tensor(keep_rows, dtype=torch.long, device=dev)
+            all_rows = keep_rows == list(range(len(self.rows)))
 
             def gather(buf):
+                idx = index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3])
+                if all_rows and capacity == buf.shape[2]:
+                    # compaction only: in place (the gather reads into a new tensor first), much
+                    # cheaper than new buffers; columns past ``width`` are never read before written
+                    if width:
+                        buf[:, :, :width] = buf.gather(2, idx)
+                    return buf
                 new = buf.new_zeros((len(keep_rows), buf.shape[1], capacity, buf.shape[3]))
                 if width:
-                    picked = buf.index_select(0, rows)  # [R', H, C, D]
-                    idx = index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3])
+                    picked = buf if all_rows else buf.index_select(0, rows)  # [R', H, C, D]
                     new[:, :, :width] = picked.gather(2, idx)
                 return new
 
@@ -377,7 +384,7 @@ class _Pool:
         """Room for ``width`` more columns: compact if most columns are holes, else grow."""
         longest = max((len(c) for c in self.cols), default=0)
         holes = self.used - longest
-        if holes > 16 and 2 * holes > self.used:
+        if holes > 16 and 4 * holes > self.used:
             self._rebuild(list(range(len(self.rows))), max(self.capacity, longest + width))
         if self.used + width > self.capacity:  # with headroom: growing copies the cache
             self._grow(max(2 * self.capacity, 2 * (self.used + width), 64))
