@@ -211,10 +211,11 @@ class Engine:
             share = seconds / max(1, len(todo))
             if todo:
                 # the first pass feeds what the level has not cached, each later one the token before
-                fed = sum(group[b].fed(level, prefixes[b] + d.tokens[:-1], len(d.tokens), len(prefixes[b]) + len(d.tokens) - 1)
-                          for b, d in zip(todo, drafts))
-                policy.observe_pass(PassCost(level, len(todo), max(d.forward_passes for d in drafts), fed, seconds,
-                                             rows=sum(d.forward_passes for d in drafts)))
+                fed = [group[b].fed(level, prefixes[b] + d.tokens[:-1], len(d.tokens), len(prefixes[b]) + len(d.tokens) - 1)
+                       for b, d in zip(todo, drafts)]
+                policy.observe_pass(PassCost(level, len(todo), max(d.forward_passes for d in drafts), sum(fed), seconds,
+                                             rows=sum(d.forward_passes for d in drafts),
+                                             catch_up=max(f - d.forward_passes for f, d in zip(fed, drafts))))
             results: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in range(n)]
             for b, draft in zip(todo, drafts):
                 records[b].cost(level, share, draft.forward_passes)
@@ -256,8 +257,9 @@ class Engine:
                 level_probs = [sampling.probs(x) for x in logits]
             seconds = time.perf_counter() - t0
             share = seconds / len(active)
-            fed = sum(group[b].fed(level, t, m, len(t)) for b, t, m in zip(active, scored[1], scored[2]))
-            policy.observe_pass(PassCost(level, len(active), 1, fed, seconds))
+            fed = [group[b].fed(level, t, m, len(t)) for b, t, m in zip(active, scored[1], scored[2])]
+            policy.observe_pass(PassCost(level, len(active), 1, sum(fed), seconds,
+                                         catch_up=max(f - m for f, m in zip(fed, scored[2]))))
             # Each sequence draws from its own generator, k + 1 uniforms, as it always has.
             uniforms = [torch.rand(len(subs[b][0]) + 1, generator=group[b].generator, dtype=torch.float64)
                         for b in active]

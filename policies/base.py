@@ -148,6 +148,9 @@ class PassCost:
     tokens: int
     seconds: float
     rows: int | None = None  # sequence-passes (a sequence in one pass); None: sequences * passes
+    # the most positions one sequence fed beyond those the call scores for it: a prompt's
+    # prefill, a request joining a running batch, a level catching up on tokens it skipped
+    catch_up: int = 0
 
 
 class PolicyError(ValueError):

@@ -119,8 +119,11 @@ class LevelCost:
     B pays ``per_pass / B + per_token * width`` for a pass scoring ``width`` of its positions, so
     the price follows the load: at batch 1 a pass is nearly all fixed cost; in a large batch the
     positions dominate and a drafted token costs the authority nearly what decoding one does.
-    Calls that compute more than ``prefill_positions`` positions per sequence (a prompt's
-    prefill) are not fitted: the policy prices decoding passes. (Fitting one model across batch
+    Calls in which a sequence feeds more than ``catch_up_positions`` positions beyond those the
+    call scores for it (a prompt's prefill, a request joining a running batch, a level catching
+    up on tokens it skipped), or more than ``prefill_positions`` per sequence on average, are
+    not fitted: the policy prices decoding passes, and a few such calls, far out on the
+    positions axis and dearer per position, would set the slope of the fit. (Fitting one model across batch
     sizes does not work: the calls of a shrinking or regrouping batch would dominate it.)
 
     Until a call has been measured, :meth:`observe` (seconds per pass as one sequence saw its
@@ -130,21 +133,26 @@ class LevelCost:
     decay: float = 0.9
     seconds: float | None = None  # moving average of seconds per pass (the fallback)
     prefill_positions: int = 40
+    catch_up_positions: int = 4
     min_calls: int = 8
     buckets: dict[int, PassModel] = field(default_factory=dict)
+    _fits: dict[int, tuple[float, float] | None] = field(default_factory=dict)  # per bucket wanted, until a call
 
     def observe(self, seconds: float, passes: int) -> None:
         # A level without forward passes (prompt lookup) still costs its call time.
         per_pass = seconds / max(1, passes)
         self.seconds = per_pass if self.seconds is None else self.decay * self.seconds + (1 - self.decay) * per_pass
 
-    def observe_pass(self, passes: int, tokens: int, seconds: float, rows: int | None = None) -> None:
-        """A call of ``passes`` passes covering ``rows`` sequence-passes, ``tokens`` positions."""
+    def observe_pass(self, passes: int, tokens: int, seconds: float, rows: int | None = None,
+                     catch_up: int = 0) -> None:
+        """A call of ``passes`` passes covering ``rows`` sequence-passes, ``tokens`` positions, in
+        which one sequence fed at most ``catch_up`` positions beyond those scored for it."""
         passes = max(1, passes)
         rows = passes if rows is None else max(1, rows)
-        if tokens > self.prefill_positions * rows:
+        if tokens > self.prefill_positions * rows or catch_up > self.catch_up_positions:
             return
         self.buckets.setdefault(batch_bucket(rows / passes), PassModel()).observe(passes, tokens, seconds)
+        self._fits.clear()
 
     def fit(self, batch: int = 1) -> tuple[float, float] | None:
         """(seconds per pass, per position) at this batch size: its bucket's, else the nearest
@@ -152,10 +160,12 @@ class LevelCost:
         if not self.buckets:
             return None
         want = batch_bucket(batch)
-        # the nearest bucket with enough calls behind its fit (a young fit splits badly)
-        settled = [k for k, m in self.buckets.items() if m.calls >= self.min_calls] or list(self.buckets)
-        nearest = min(settled, key=lambda k: (abs(k - want), -k))
-        return self.buckets[nearest].fit
+        if want not in self._fits:
+            # the nearest bucket with enough calls behind its fit (a young fit splits badly)
+            settled = [k for k, m in self.buckets.items() if m.calls >= self.min_calls] or list(self.buckets)
+            nearest = min(settled, key=lambda k: (abs(k - want), -k))
+            self._fits[want] = self.buckets[nearest].fit
+        return self._fits[want]
 
     def per_sequence(self, batch: int, width: int) -> float | None:
         """Seconds one of ``batch`` sequences is charged for a pass scoring ``width`` positions of
@@ -260,7 +270,8 @@ class Estimates:
 
     def observe_pass(self, cost: PassCost) -> None:
         rows = cost.rows if cost.rows is not None else cost.sequences * max(1, cost.passes)
-        self.costs.setdefault(cost.level, LevelCost()).observe_pass(cost.passes, cost.tokens, cost.seconds, rows)
+        self.costs.setdefault(cost.level, LevelCost()).observe_pass(cost.passes, cost.tokens, cost.seconds, rows,
+                                                                    cost.catch_up)
 
     def path_cost(self, path: tuple[str, ...], max_lookahead: int, default_cost: float = 1e-3, batch: int = 1,
                   rates: dict[str, float] | None = None) -> tuple[float, dict[str, int]]:
@@ -283,15 +294,18 @@ class Estimates:
             c = self.cost(level, batch, width)
             return default_cost if c is None else c
 
+        into: dict[str, list[EdgeAcceptance]] = {}
+
         def pooled(level: str, j: int) -> float | None:
             """Acceptance at position j pooled over every edge into ``level``."""
             if not self.pool_weight:
                 return None
+            if level not in into:
+                into[level] = [e for (_, verifier), e in self.edges.items() if verifier == level and e.seen]
             seen = accepted = 0.0
-            for (_, verifier), e in self.edges.items():
-                if verifier == level and e.seen:
-                    i = min(j, len(e.seen) - 1)
-                    seen, accepted = seen + e.seen[i], accepted + e.accepted[i]
+            for e in into[level]:
+                i = min(j, len(e.seen) - 1)
+                seen, accepted = seen + e.seen[i], accepted + e.accepted[i]
             return accepted / seen if seen else None
 
         per_token = cost(path[0], 1)

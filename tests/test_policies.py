@@ -184,6 +184,9 @@ def test_level_cost_learns_pass_and_position_costs_per_batch_size():
     assert cost.fit(1)[0] < 0.05
     cost.observe_pass(1, 200, 9.0, rows=1)  # a prompt's prefill is not a decoding pass: not fitted
     assert cost.fit(1)[0] < 0.05
+    before = cost.fit(16)  # nor is a pass in which a request joins a running batch with its prompt
+    cost.observe_pass(1, 16 * 2 + 60, 0.5, rows=16, catch_up=60)
+    assert cost.fit(16) == before
 
 
 def test_speculation_stops_paying_under_load():
