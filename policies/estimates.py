@@ -123,8 +123,9 @@ class LevelCost:
     call scores for it (a prompt's prefill, a request joining a running batch, a level catching
     up on tokens it skipped), or more than ``prefill_positions`` per sequence on average, are
     not fitted: the policy prices decoding passes, and a few such calls, far out on the
-    positions axis and dearer per position, would set the slope of the fit. (Fitting one model across batch
-    sizes does not work: the calls of a shrinking or regrouping batch would dominate it.)
+    positions axis and dearer per position, would set the slope of the fit. (Fitting one model
+    across batch sizes does not work: the calls of a shrinking or regrouping batch would
+    dominate it.)
 
     Until a call has been measured, :meth:`observe` (seconds per pass as one sequence saw its
     share) gives a plain moving average of seconds per pass.

@@ -172,7 +172,7 @@ def main() -> None:
         "|---|---:|---:|---:|",
     ]
     row = lambda name, v: lines.append(f"| {name} | {v:.1f} | {v / plain:.2f}x | {v / best_fixed:.3f} |")  # noqa: E731
-    for k in (1, 2, 4, best_k, 8, 16, 32):
+    for k in sorted({1, 2, 4, best_k, 8, 16, 32}):
         row(f"fixed k={k}" + (" (best k <= 8)" if k == best_k else ""), fixed[k])
     row(f"calibrated stop, threshold {best_stop[0]}, cap {best_stop[1]} (in-sample table)", stops[best_stop])
     for cap, v in oracles.items():

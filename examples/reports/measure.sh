@@ -17,11 +17,15 @@ date
 cascade bench --topology topologies/4level.yaml --prompts examples/prompts/heldout.jsonl --num-prompts 12 \
     --max-new-tokens 96 --out $R/bench --no-progress 2>&1 | grep -v "Loading weights" > $R/bench.txt
 date
-cascade bench --topology topologies/4level.yaml --batch-sizes 1,4,16,64 --max-new-tokens 32 \
-    --out $R/batch --no-progress 2>&1 | grep -v "Loading weights" > $R/batch.txt
+# under load: the same 32 requests (64 at B = 64) served B at a time, 2 side-by-side repeats
+BATCH="--topology topologies/4level.yaml --batch-sizes 1,4,16,64 --max-new-tokens 128 --requests 32 --repeats 2"
+cascade bench $BATCH --out $R/batch --no-progress 2>&1 | grep -v "Loading weights" > $R/batch.txt
 date
-cascade bench --topology topologies/4level.yaml --batch-sizes 1,4,16,64 --max-new-tokens 32 \
-    --policy 'fixed:path=[large]' --out $R/batch-authority-alone --no-progress 2>&1 | grep -v "Loading weights" > $R/batch-authority-alone.txt
+cascade bench $BATCH --policy 'fixed:path=[large]' --out $R/batch-authority-alone --no-progress 2>&1 \
+    | grep -v "Loading weights" > $R/batch-authority-alone.txt
+date
+cascade bench $BATCH --policy 'fixed:lookahead={tiny: 4},path=[tiny, large]' --out $R/batch-fixed-tiny4 --no-progress \
+    2>&1 | grep -v "Loading weights" > $R/batch-fixed-tiny4.txt
 date
 # what any lookahead rule could gain over the best fixed one on tiny -> large (replay + oracle)
 mkdir -p $R/headroom
