@@ -392,7 +392,8 @@ def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], m
     with Cascade.from_topology(topology) as c:
         model = c.workers[c.topology.authority].model
         tok = c.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        eos = tok.eos_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos
         pol = make_policy(*parse_policy_spec(policy)) if policy else None
 
         def plain(batch: list[str], size: int) -> tuple[int, float, float]:
@@ -409,7 +410,6 @@ def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], m
                     out_ids = model.generate(ids, attention_mask=mask, do_sample=False,
                                              max_new_tokens=max_new_tokens, pad_token_id=pad)
                 spent = time.perf_counter() - t0
-                eos = tok.eos_token_id
                 tokens += sum(int((row != eos).cumprod(0).sum()) + int((row == eos).any())
                               for row in out_ids[:, width:])
                 seconds += spent
@@ -436,11 +436,11 @@ def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], m
                     runs[name].append((plain if name == "plain" else cascade)(batch, size))
                 bar.update()
             ratios = [(ct / cs) / (pt / ps) for (pt, ps, _), (ct, cs, _) in zip(runs["plain"], runs["cascade"])]
-            med = {name: [statistics.median(x[k] for x in runs[name]) for k in range(3)] for name in runs}
             rows.append({"batch_size": size, "requests": len(batch), "repeats": repeats,
                          "plain_tokens_per_second": statistics.median(t / s for t, s, _ in runs["plain"]),
                          "cascade_tokens_per_second": statistics.median(t / s for t, s, _ in runs["cascade"]),
-                         "plain_latency_s": med["plain"][2], "cascade_latency_s": med["cascade"][2],
+                         "plain_latency_s": statistics.median(lat for _, _, lat in runs["plain"]),
+                         "cascade_latency_s": statistics.median(lat for _, _, lat in runs["cascade"]),
                          "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
                          "ratios": ratios})
         bar.close()

@@ -31,7 +31,7 @@ import torch
 from cascade.errors import RequestError, WorkerError
 from cascade.sampling import Sampling, SamplingOverride
 from cascade.stats import RequestStats
-from cascade.verify import sample_with_uniform, verify_block
+from cascade.verify import verify_block
 from policies.base import EdgeOutcome, PassCost, PlanContext, Policy, PolicyError, StepFeedback, StepPlan, draft_step
 from workers.base import Worker
 
@@ -267,10 +267,8 @@ class Engine:
             alone = [a for a, b in enumerate(active) if not subs[b][0]]
             sampled = {}
             if alone:
-                stacked = torch.stack([level_probs[a][0] for a in alone])
-                # greedy rows are one-hot: inverse-CDF sampling returns the hot token for any uniform
-                picked = stacked.argmax(-1) if sampling.greedy else \
-                    sample_with_uniform(stacked, torch.stack([uniforms[a][0] for a in alone]))
+                picked = sampling.draw(torch.stack([level_probs[a][0] for a in alone]),
+                                       torch.stack([uniforms[a][0] for a in alone]))
                 sampled = dict(zip(alone, picked.tolist()))
             for a, b in enumerate(active):
                 records[b].cost(level, share, 1)

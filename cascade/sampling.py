@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from cascade.verify import sampling_probs
+from cascade.verify import sample_with_uniform, sampling_probs
 
 
 class Sampling(BaseModel):
@@ -27,6 +27,12 @@ class Sampling(BaseModel):
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [..., vocab]
         return sampling_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    def draw(self, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:  # [n, vocab], [n] -> [n]
+        """One token per row of ``probs`` (rows of :meth:`probs`), by inverse CDF with the row's
+        uniform. Greedy rows are one-hot, for which that is the hot token whatever the uniform:
+        taken directly (no cumulative sum over the vocabulary)."""
+        return probs.argmax(-1) if self.greedy else sample_with_uniform(probs, uniforms)
 
 
 class SamplingOverride(BaseModel):

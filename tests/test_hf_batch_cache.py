@@ -166,14 +166,17 @@ def test_a_long_prompt_joining_a_running_batch_is_prefilled_alone(model):
 
 
 def test_greedy_rows_sample_their_hot_token_for_any_uniform():
-    """The engine and Worker.draft take argmax for greedy rows: what inverse-CDF sampling gives."""
+    """Sampling.draw (the engine's and Worker.draft's draw) takes argmax for greedy rows: what
+    inverse-CDF sampling gives."""
     from cascade.sampling import Sampling
     from cascade.verify import sample_with_uniform
 
     logits = torch.randn(64, 50, dtype=torch.float64)
     logits[3, 7] = logits[3, 9] = logits[3].max() + 1  # a tie: the first argmax
-    probs = Sampling(temperature=0.0).probs(logits)
+    greedy = Sampling(temperature=0.0)
+    probs = greedy.probs(logits)
     for u in (0.0, 0.5, 1 - 2 ** -53):
         uniforms = torch.full((64,), u, dtype=torch.float64)
         assert torch.equal(sample_with_uniform(probs, uniforms), probs.argmax(-1))
+        assert torch.equal(greedy.draw(probs, uniforms), probs.argmax(-1))
     assert int(probs[3].argmax()) == 7

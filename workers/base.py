@@ -16,7 +16,6 @@ from typing import Sequence
 import torch
 
 from cascade.sampling import Sampling
-from cascade.verify import sample_with_uniform
 from policies.base import StopRule, draft_step
 
 
@@ -97,8 +96,7 @@ class Worker(abc.ABC):
             last_logits = torch.stack([x[-1] for x in logits])  # [n, vocab]
             probs = sampling.probs(last_logits)
             draws = torch.stack([uniforms[b][len(drafted[b])] for b in active]).to(torch.float64)
-            # greedy rows are one-hot: inverse-CDF sampling returns the hot token for any uniform
-            tokens = probs.argmax(-1) if sampling.greedy else sample_with_uniform(probs, draws)
+            tokens = sampling.draw(probs, draws)
             logits64 = last_logits.to(torch.float64)
             token_probs = torch.exp(logits64.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits64, -1)).tolist()
             deciding: list[int] = []  # rows that may still go on: the stop rule decides
