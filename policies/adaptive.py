@@ -186,7 +186,9 @@ class EscalationPolicy(CostAwarePolicy):
     verifier scoring every row of a batch as wide as the longest block, cache holes left by
     rolled-back tokens) — a few percent, which decide where speculation only breaks even, as
     under heavy load. A random path is also explored with probability ``explore`` (decaying
-    with the steps seen).
+    with the steps seen). Prices are reused for ``reprice_every`` (8) plans at one batch size:
+    the estimates move slowly, and pricing every path each step costs a sizeable share of a
+    small model's step.
 
     With ``confident`` set, acceptance is also kept separately
     for confident and unconfident contexts — the mean probability the first level gave its own
@@ -219,6 +221,8 @@ class EscalationPolicy(CostAwarePolicy):
         self.contexts = {True: Estimates(prior=prior, decay=decay, pool_weight=pool_weight), False: self.estimates}
         self._context = False
         self._all_paths: dict[frozenset[str], list[tuple[str, ...]]] = {}
+        self.reprice_every = 8
+        self._prices: dict[tuple, tuple[int, object]] = {}  # key -> (plan number when priced, prices)
 
     def _candidates(self, ctx: PlanContext) -> list[tuple[str, ...]]:
         if ctx.available not in self._all_paths:
@@ -238,8 +242,9 @@ class EscalationPolicy(CostAwarePolicy):
     def _choose(self, ctx: PlanContext, max_lookahead: int) -> tuple[tuple[str, ...], dict[str, int], str]:
         """(path, lookahead up to ``max_lookahead``, kind): kind is "probe", "explore" or "exploit"."""
         candidates = self._candidates(ctx)
-        estimates = self._estimates()
-        priced = {p: estimates.path_cost(p, max_lookahead, batch=ctx.batch_size) for p in candidates}
+        priced = self._priced(("paths", ctx.available, ctx.batch_size, max_lookahead),
+                              lambda estimates: {p: estimates.path_cost(p, max_lookahead, batch=ctx.batch_size)
+                                                 for p in candidates})
         self._plans += 1
         # A probe step runs the whole batch on a path that is probably worse, and teaches in
         # proportion to the batch: so probes come every ``probe_every`` steps of one sequence
@@ -264,6 +269,16 @@ class EscalationPolicy(CostAwarePolicy):
             path = current
         self._current[ctx.available] = path
         return path, priced[path][1], "exploit"
+
+    def _priced(self, key: tuple, price):
+        """``price(estimates)``, reused for ``reprice_every`` plans: the estimates move a little
+        per step (they decay slowly), while pricing every path costs about a millisecond of
+        Python, a sizeable share of a small model's step."""
+        key = (self._context, *key)
+        hit = self._prices.get(key)
+        if hit is None or self._plans - hit[0] >= self.reprice_every:
+            hit = self._prices[key] = (self._plans, price(self._estimates()))
+        return hit[1]
 
     def _probe_round(self, priced: dict[tuple[str, ...], tuple[float, dict[str, int]]]) -> list[tuple[str, ...]]:
         """The paths of the next probe round, in random order: all of them in the warm-up and in
@@ -338,13 +353,21 @@ class AutoPolicy(EscalationPolicy):
         calibration = estimates.calibration(first, verifier)
         threshold = self.stop_threshold
         if threshold is None:
-            rates: dict[str, float] = {}
-            estimates.path_cost(path[:2], self.price_lookahead, batch=ctx.batch_size, rates=rates)
-            draft = estimates.cost(first, ctx.batch_size, 1) or 0.0
-            one, two = estimates.cost(verifier, ctx.batch_size, 1), estimates.cost(verifier, ctx.batch_size, 2)
-            extra = (two - one) if one is not None and two is not None else 0.0
-            value = rates[verifier] * calibration.mean(Calibration.LATER)  # seconds a further token may earn
-            threshold = min(0.9, max(0.02, (draft + extra) / value)) if value > 0 else 0.9
+            threshold = self._priced(("stop", path[:2], ctx.batch_size),
+                                     lambda estimates: self._threshold(estimates, path[:2], ctx.batch_size))
         after_full = estimates.after_full.get((first, verifier), False)
         table = calibration.table(Calibration.FIRST_AFTER_FULL if after_full else Calibration.FIRST_AFTER_REJECT)
         return CalibratedStop(table, calibration.table(Calibration.LATER), threshold)
+
+    def _threshold(self, estimates: Estimates, edge: tuple[str, str], batch: int) -> float:
+        """The block survival below which one more drafted token stops paying: drafting it costs
+        the drafter's pass plus the verifier's extra position, and it earns its chance of
+        acceptance times the seconds a committed token costs on this edge."""
+        first, verifier = edge
+        rates: dict[str, float] = {}
+        estimates.path_cost(edge, self.price_lookahead, batch=batch, rates=rates)
+        draft = estimates.cost(first, batch, 1) or 0.0
+        one, two = estimates.cost(verifier, batch, 1), estimates.cost(verifier, batch, 2)
+        extra = (two - one) if one is not None and two is not None else 0.0
+        value = rates[verifier] * estimates.calibration(first, verifier).mean(Calibration.LATER)
+        return min(0.9, max(0.02, (draft + extra) / value)) if value > 0 else 0.9

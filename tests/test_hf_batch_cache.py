@@ -165,6 +165,41 @@ def test_a_long_prompt_joining_a_running_batch_is_prefilled_alone(model):
         check(worker, model, list(seqs), list(seqs.values()), [1] * 7)
 
 
+def test_newcomers_are_prefilled_into_columns_their_rows_do_not_use(model):
+    """Sequences joining a running batch are prefilled by themselves into columns before
+    ``used`` that their rows do not hold: the pool gains no columns (no holes for the others),
+    and every row's logits stay the solo ones."""
+    worker = HFWorker.from_model(model)
+    vocab = worker.vocab_size
+    rng = random.Random(5)
+    seqs = {f"r{i}": [rng.randrange(vocab) for _ in range(8 + i)] for i in range(6)}
+    check(worker, model, list(seqs), list(seqs.values()), [1] * 6)
+    for _ in range(40):  # run for a while: ~50 columns in use
+        for s in seqs:
+            seqs[s].append(rng.randrange(vocab))
+        check(worker, model, list(seqs), list(seqs.values()), [1] * 6)
+    pool = worker._pool
+    worker.release(["r1", "r4"])
+    del seqs["r1"], seqs["r4"]
+    before = pool.used
+    seqs["new1"] = [rng.randrange(vocab) for _ in range(30)]
+    seqs["new2"] = [rng.randrange(vocab) for _ in range(19)]  # two at once, of different lengths
+    for s in seqs:
+        if not s.startswith("new"):
+            seqs[s].append(rng.randrange(vocab))
+    check(worker, model, list(seqs), list(seqs.values()), [1, 1, 1, 1, 2, 3])
+    assert pool.used == before + 3  # only the common pass's window (the newcomers' tails)
+    for s in ("new1", "new2"):
+        r = pool.row_of[s]
+        assert pool.cols[r][0] < before and len(pool.cols[r]) == len(seqs[s])
+    for _ in range(5):
+        for s in seqs:
+            seqs[s].extend(rng.randrange(vocab) for _ in range(2))
+        check(worker, model, list(seqs), list(seqs.values()), [2] * 6)
+    for s, r in pool.row_of.items():
+        assert len(pool.cols[r]) == len(pool.tokens[r]) == int(pool.valid[r].sum())
+
+
 def test_greedy_rows_sample_their_hot_token_for_any_uniform():
     """Sampling.draw (the engine's and Worker.draft's draw) takes argmax for greedy rows: what
     inverse-CDF sampling gives."""

@@ -155,6 +155,27 @@ def test_escalation_goes_through_the_middle_when_drafts_are_unsure():
     assert policy.plan(ctx(DAG)).path == ("tiny", "large")
 
 
+def test_escalation_reprices_every_few_plans():
+    """Pricing every path is a millisecond of Python per step: prices are reused for
+    ``reprice_every`` plans at one batch size (a new batch size is priced at once), and what
+    was learnt meanwhile takes effect at the next pricing."""
+    policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9, pool_weight=0), DAG)
+    seconds = {"tiny": 0.001, "small": 0.008, "large": 0.010}
+    teach(policy, ("tiny", "large"), [("tiny", "large", 4, 4)], seconds)
+    teach(policy, ("tiny", "small", "large"), [("tiny", "small", 4, 2), ("small", "large", 4, 2)], seconds)
+    calls = []
+    path_cost = policy.estimates.path_cost
+    policy.estimates.path_cost = lambda *a, **k: calls.append(k.get("batch")) or path_cost(*a, **k)
+    paths = len(policy._candidates(ctx(DAG)))
+    assert policy.plan(ctx(DAG)).path == ("tiny", "large")
+    teach(policy, ("tiny", "large"), [("tiny", "large", 4, 0)], seconds, rounds=200)  # tiny -> large now fails
+    chosen = [policy.plan(ctx(DAG)).path for _ in range(policy.reprice_every)]
+    assert len(calls) == 2 * paths  # priced at the first plan and again after reprice_every plans
+    assert chosen[0] == ("tiny", "large") and chosen[-1] != ("tiny", "large")
+    policy.plan(PlanContext(DAG, "large", 100, 0, frozenset(DAG.nodes), batch_size=8))
+    assert len(calls) == 3 * paths and calls[-1] == 8
+
+
 def test_verification_budget_shrinks_speculation_under_load():
     policy = bound(CostAwarePolicy(explore=0.0, verify_budget=64))
     seconds = {"tiny": 0.001, "small": 0.003, "large": 0.02}

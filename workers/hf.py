@@ -452,11 +452,50 @@ class _Pool:
                     if len(new) > max(8, 4 * typical) and len(new) > max(typical, num_positions[i])]
             if long and 2 * len(long) <= len(rows):
                 tails = [max(typical, num_positions[i]) for i in long]
-                self._forward([rows[i] for i in long], [news[i][:-t] for i, t in zip(long, tails)],
-                              [1] * len(long), subset=True)
+                heads = {i: news[i][:-t] for i, t in zip(long, tails)}
+                # A newcomer (nothing cached) fits in columns its row does not use: no new columns
+                fresh = [i for i in long if not self.cols[rows[i]] and len(heads[i]) <= self.used]
+                if fresh:
+                    self._prefill_fresh([rows[i] for i in fresh], [heads[i] for i in fresh])
+                others = [i for i in long if i not in fresh]
+                if others:
+                    self._forward([rows[i] for i in others], [heads[i] for i in others], [1] * len(others),
+                                  subset=True)
                 for i, t in zip(long, tails):
                     news[i] = news[i][-t:]
         return self._forward(rows, news, num_positions)
+
+    def _prefill_fresh(self, rows: list[int], heads: list[list[int]]) -> None:
+        """Prefill rows that hold nothing yet (sequences joining a running batch) by themselves,
+        in a cache of their own, and write their keys/values into the columns just before
+        ``used``, which their rows do not use. Appending them as new columns instead would leave
+        every other row that many holes to attend over and compact away."""
+        worker = self.worker
+        dev = worker.device
+        width = max(len(h) for h in heads)
+        lengths = torch.tensor([len(h) for h in heads], dtype=torch.long)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, h in enumerate(heads):
+            ids[i, width - len(h):] = torch.tensor(h, dtype=torch.long)
+        window = torch.arange(width)
+        positions = (window[None, :] - (width - lengths)[:, None]).clamp_(min=0)
+        if worker.context_length:
+            positions.clamp_(max=worker.context_length - 1)
+        mask = window[None, :] >= (width - lengths)[:, None]
+        layers = [_buffer_layer(None, None, 0) for _ in self.kbufs]
+        from transformers.cache_utils import Cache
+
+        worker.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev),
+                     cache=Cache(layers=layers), use_cache=True, logits_to_keep=1)
+        used = self.used
+        for layer, k, v in zip(layers, self.kbufs, self.vbufs):
+            for i, (r, h) in enumerate(zip(rows, heads)):
+                k[r, :, used - len(h):used] = layer.kbuf[i, :, width - len(h):width]
+                v[r, :, used - len(h):used] = layer.vbuf[i, :, width - len(h):width]
+        for r, h in zip(rows, heads):
+            self.valid[r, used - len(h):used] = True
+            self.cols[r] = list(range(used - len(h), used))
+            self.tokens[r] = list(h)
 
     def _forward(self, rows: list[int], news: list[list[int]], num_positions, subset: bool | None = None):
         """One forward pass feeding ``news[i]`` to row ``rows[i]``; logits of each one's last
