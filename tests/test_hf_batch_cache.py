@@ -200,6 +200,33 @@ def test_newcomers_are_prefilled_into_columns_their_rows_do_not_use(model):
         assert len(pool.cols[r]) == len(pool.tokens[r]) == int(pool.valid[r].sum())
 
 
+def test_a_draining_batch_drops_its_free_rows(model):
+    """Rows left free by finished sequences, with nobody joining, stop taking part in passes
+    once they are a quarter of the rows; a row freed and refilled in one call stays."""
+    worker = HFWorker.from_model(model)
+    vocab = worker.vocab_size
+    rng = random.Random(6)
+    seqs = {f"r{i}": [rng.randrange(vocab) for _ in range(5 + 2 * i)] for i in range(8)}
+    check(worker, model, list(seqs), list(seqs.values()), [1] * 8)
+    pool = worker._pool
+    worker.release(["r0"])  # replaced at once (steady serving): the row is reused
+    del seqs["r0"]
+    seqs["n0"] = [rng.randrange(vocab) for _ in range(4)]
+    check(worker, model, list(seqs), list(seqs.values()), [1] * 8)
+    assert len(pool.rows) == 8
+    worker.release(["r3"])  # one free row of 8: kept (a newcomer may take it)
+    del seqs["r3"]
+    check(worker, model, list(seqs), list(seqs.values()), [1] * 7)
+    assert len(pool.rows) == 8
+    worker.release(["r5"])  # two of 8: dropped
+    del seqs["r5"]
+    for step in range(3):
+        for s in seqs:
+            seqs[s].append(rng.randrange(vocab))
+        check(worker, model, list(seqs), list(seqs.values()), [1] * 6)
+    assert len(pool.rows) == 6 and None not in pool.rows
+
+
 def test_greedy_rows_sample_their_hot_token_for_any_uniform():
     """Sampling.draw (the engine's and Worker.draft's draw) takes argmax for greedy rows: what
     inverse-CDF sampling gives."""

@@ -10,7 +10,9 @@ mask. A pass appends every row's new tokens at the same new columns (a row with 
 gets masked pad columns); a row rolls back by marking its trailing columns invalid; each row's
 position ids count its valid tokens. Attention over masked columns has weight exactly zero, so a
 row's logits are those of the sequence alone. The holes are compacted away (each row's valid
-columns gathered, left-padded) when they make up most of the columns.
+columns gathered, left-padded) when they make up a quarter of the columns. A sequence joining a
+running batch is prefilled by itself into columns its row does not use (no holes for the
+others); rows left free while the batch drains are dropped.
 """
 from __future__ import annotations
 
@@ -419,9 +421,11 @@ class _Pool:
             for s, r in zip(joining, free):
                 self.rows[r] = s
                 self.row_of[s] = r
-        # Many free rows (sequences left): drop them, which also compacts the columns.
-        live = len(self.row_of)
-        if len(self.rows) > 8 and 2 * live < len(self.rows):
+        # Rows still free after the joins (sequences left, none waiting: the batch is draining)
+        # would take part in every pass as padding: once they are a quarter of the rows, drop
+        # them (which also compacts the columns). A geometric rule: few rebuilds as it drains.
+        free = len(self.rows) - len(self.row_of)
+        if free and 4 * free >= len(self.rows):
             self._rebuild([r for r, s in enumerate(self.rows) if s is not None], self.capacity)
         rows = [self.row_of[s] for s in seq_ids]
 
