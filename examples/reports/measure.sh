@@ -21,6 +21,10 @@ date
 BATCH="--topology topologies/4level.yaml --batch-sizes 1,4,16,64 --max-new-tokens 128 --requests 32 --repeats 2"
 cascade bench $BATCH --out $R/batch --no-progress 2>&1 | grep -v "Loading weights" > $R/batch.txt
 date
+# the target concurrency (B = 4) again, with 6 side-by-side repeats: the machine's noise is ~±5% per repeat
+cascade bench --topology topologies/4level.yaml --batch-sizes 4 --max-new-tokens 128 --requests 32 --repeats 6 \
+    --out $R/batch4-6repeats --no-progress 2>&1 | grep -v "Loading weights" > $R/batch4-6repeats.txt
+date
 cascade bench $BATCH --policy 'fixed:path=[large]' --out $R/batch-authority-alone --no-progress 2>&1 \
     | grep -v "Loading weights" > $R/batch-authority-alone.txt
 date
