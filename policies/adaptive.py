@@ -186,9 +186,9 @@ class EscalationPolicy(CostAwarePolicy):
     verifier scoring every row of a batch as wide as the longest block, cache holes left by
     rolled-back tokens) — a few percent, which decide where speculation only breaks even, as
     under heavy load. A random path is also explored with probability ``explore`` (decaying
-    with the steps seen). Prices are reused for ``reprice_every`` (8) plans at one batch size:
-    the estimates move slowly, and pricing every path each step costs a sizeable share of a
-    small model's step.
+    with the steps seen). Prices are reused for ``reprice_every`` (8) plans at one batch size,
+    and priced afresh after a probe round: the estimates move slowly between rounds, and
+    pricing every path each step costs a sizeable share of a small model's step.
 
     With ``confident`` set, acceptance is also kept separately
     for confident and unconfident contexts — the mean probability the first level gave its own
@@ -255,6 +255,8 @@ class EscalationPolicy(CostAwarePolicy):
             self._probes = self._probe_round(priced)
         if self._probes:
             path = self._probes.pop()
+            if not self._probes:  # the round's last probe: price afresh with what the round taught
+                self._prices.clear()
             return path, {n: max(1, k) for n, k in priced[path][1].items()}, "probe"
         drafting = [p for p in candidates if len(p) > 1]
         if drafting and self._exploring():

@@ -176,6 +176,19 @@ def test_escalation_reprices_every_few_plans():
     assert len(calls) == 3 * paths and calls[-1] == 8
 
 
+def test_escalation_prices_afresh_after_a_probe_round():
+    """A probe round teaches every path at once: the first plan after it does not reuse prices
+    from before the round (in short runs that choice sets the path for a long while)."""
+    policy = bound(EscalationPolicy(explore=0.0, warmup=1, probe_every=10**9), DAG)
+    calls = []
+    path_cost = policy.estimates.path_cost
+    policy.estimates.path_cost = lambda *a, **k: calls.append(1) or path_cost(*a, **k)
+    paths = len(policy._candidates(ctx(DAG)))
+    kinds = [policy._choose(ctx(DAG), 8)[2] for _ in range(paths + 2)]
+    assert kinds == ["probe"] * paths + ["exploit"] * 2
+    assert len(calls) == 2 * paths  # at the first plan, and afresh after the round's last probe
+
+
 def test_verification_budget_shrinks_speculation_under_load():
     policy = bound(CostAwarePolicy(explore=0.0, verify_budget=64))
     seconds = {"tiny": 0.001, "small": 0.003, "large": 0.02}
