@@ -469,28 +469,33 @@ class _Pool:
                     news[i] = news[i][-t:]
         return self._forward(rows, news, num_positions)
 
+    def _window(self, news: list[list[int]], starts: list[int], width: int):
+        """A pass's input window of ``width`` columns: (input ids, position ids, which columns hold
+        a real token), one row per ``news``. Each row's new tokens end the window (pads first), so
+        that every row's last token is at the window's end (logits are kept for the last
+        positions only); positions count the row's valid tokens on from ``starts``."""
+        input_ids = torch.tensor([[0] * (width - len(new)) + list(new) for new in news], dtype=torch.long)
+        offsets = torch.tensor([width - len(new) for new in news], dtype=torch.long)
+        window = torch.arange(width)
+        positions = (torch.tensor(starts, dtype=torch.long) - offsets)[:, None] + window
+        positions.clamp_(min=0)  # pad positions (masked anyway) clamped into range
+        if self.worker.context_length:
+            positions.clamp_(max=self.worker.context_length - 1)
+        return input_ids, positions, window[None, :] >= offsets[:, None]
+
     def _prefill_fresh(self, rows: list[int], heads: list[list[int]]) -> None:
         """Prefill rows that hold nothing yet (sequences joining a running batch) by themselves,
         in a cache of their own, and write their keys/values into the columns just before
         ``used``, which their rows do not use. Appending them as new columns instead would leave
         every other row that many holes to attend over and compact away."""
-        worker = self.worker
-        dev = worker.device
+        dev = self.worker.device
         width = max(len(h) for h in heads)
-        lengths = torch.tensor([len(h) for h in heads], dtype=torch.long)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, h in enumerate(heads):
-            ids[i, width - len(h):] = torch.tensor(h, dtype=torch.long)
-        window = torch.arange(width)
-        positions = (window[None, :] - (width - lengths)[:, None]).clamp_(min=0)
-        if worker.context_length:
-            positions.clamp_(max=worker.context_length - 1)
-        mask = window[None, :] >= (width - lengths)[:, None]
+        input_ids, positions, mask = self._window(heads, [0] * len(heads), width)
         layers = [_buffer_layer(None, None, 0) for _ in self.kbufs]
         from transformers.cache_utils import Cache
 
-        worker.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev),
-                     cache=Cache(layers=layers), use_cache=True, logits_to_keep=1)
+        self.worker.model(input_ids=input_ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev),
+                          cache=Cache(layers=layers), use_cache=True, logits_to_keep=1)
         used = self.used
         for layer, k, v in zip(layers, self.kbufs, self.vbufs):
             for i, (r, h) in enumerate(zip(rows, heads)):
@@ -518,24 +523,11 @@ class _Pool:
         batch_rows = rows if subset else list(range(total))
         slot = {r: i for i, r in enumerate(batch_rows)}
         size = len(batch_rows)
-        # Each row's new tokens end the window (pads first), so that every row's last token is
-        # at the window's end: logits are kept for the last positions only.
-        lengths = [0] * size
-        ids = [[0] * width for _ in range(size)]
+        fed: list[list[int]] = [[] for _ in range(size)]  # idle rows: all pads
         for r, new in zip(rows, news):
-            i = slot[r]
-            lengths[i] = len(new)
-            ids[i][width - len(new):] = new
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        offsets = width - torch.tensor(lengths, dtype=torch.long)
-        starts = torch.tensor([len(self.tokens[r]) for r in batch_rows], dtype=torch.long)
-        window = torch.arange(width)
-        positions = (starts - offsets)[:, None] + window  # a row's count of valid tokens, on
-        positions.clamp_(min=0)  # pad positions (masked anyway) clamped into range
-        if worker.context_length:
-            positions.clamp_(max=worker.context_length - 1)
-        new_valid = window[None, :] >= offsets[:, None]
-        padded = min(lengths) < width
+            fed[slot[r]] = new
+        input_ids, positions, new_valid = self._window(fed, [len(self.tokens[r]) for r in batch_rows], width)
+        padded = not bool(new_valid.all())
         self.valid[:, used:used + width] = False
         if subset:
             index = torch.tensor(rows, dtype=torch.long, device=dev)
