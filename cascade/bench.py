@@ -78,11 +78,12 @@ def _median_ci(values: list[float], resamples: int = 5000, seed: int = 0) -> tup
 
 
 class _PassCounter:
-    """Counts forward passes of a model through a forward hook (works for transformers' own loops)."""
+    """Counts forward passes of a model through a hook on its LM head, which every pass calls once
+    (transformers' own loops and the workers' lean forward alike)."""
 
     def __init__(self, model):
         self.count = 0
-        self.handle = model.register_forward_hook(self._hook)
+        self.handle = model.get_output_embeddings().register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
         self.count += 1

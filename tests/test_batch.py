@@ -13,9 +13,11 @@ from test_engine_hf import prompts_from_text
 
 
 class ForwardCounter:
+    """Forward passes of a model: each one calls its LM head once (HF forward and lean forward)."""
+
     def __init__(self, model):
         self.count = 0
-        self.handle = model.register_forward_hook(lambda *_: setattr(self, "count", self.count + 1))
+        self.handle = model.get_output_embeddings().register_forward_hook(lambda *_: setattr(self, "count", self.count + 1))
 
 
 def test_batched_greedy_equals_solo_greedy(family, tokenizer, tmp_path):

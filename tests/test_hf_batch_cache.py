@@ -70,8 +70,10 @@ def test_ragged_batches_equal_solo(model, tokenizer):
         assert len(pool.cols[r]) == len(pool.tokens[r]) == int(pool.valid[r].sum())
 
 
-def test_subsets_idle_rows_joins_and_leaves(model):
-    worker = HFWorker.from_model(model)
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-forward", "transformers-forward"])
+def test_subsets_idle_rows_joins_and_leaves(model, lean):
+    worker = HFWorker.from_model(model, lean=lean)
+    assert (worker.lean is not None) == lean
     vocab = worker.vocab_size
     rng = random.Random(1)
     seqs = {f"s{i}": [rng.randrange(vocab) for _ in range(rng.randrange(2, 12))] for i in range(12)}

@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from workers.base import Worker
+from workers.lean import lean_forward
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class HFWorker(Worker):
         dtype: str = "float32",
         device: str = "auto",
         trust_remote_code: bool = False,
+        lean: bool = True,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -69,22 +71,39 @@ class HFWorker(Worker):
             trust_remote_code=trust_remote_code,
         ).to(self.device)
         self.model.eval()
+        self._setup(lean)
+
+    def _setup(self, lean: bool) -> None:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.context_length = getattr(self.model.config, "max_position_embeddings", None)
         self._caches: dict[str, _SeqCache] = {}
         self._pool: _Pool | bool | None = None  # None: not decided yet; False: per-sequence caches
+        # transformers' forward minus its per-call plumbing, where the model is one it knows
+        self.lean = lean_forward(self.model) if lean else None
 
     @classmethod
-    def from_model(cls, model, device: str | None = None) -> "HFWorker":
+    def from_model(cls, model, device: str | None = None, lean: bool = True) -> "HFWorker":
         """Wrap an already-loaded model (tests, notebooks)."""
         self = cls.__new__(cls)
         self.device = resolve_device(device) if device else next(model.parameters()).device
         self.model = model.to(self.device).eval()
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.context_length = getattr(model.config, "max_position_embeddings", None)
-        self._caches = {}
-        self._pool = None
+        self._setup(lean)
         return self
+
+    def _logits(self, input_ids, position_ids, cache, valid, keep: int) -> torch.Tensor:
+        """One forward pass writing into ``cache`` (a transformers Cache, or a list of cache
+        layers): logits ``[rows, keep, vocab]`` of the last ``keep`` positions. ``valid``
+        ``[rows, columns]`` says which cached columns (the new ones included) each row attends
+        to; None: all of them (see :func:`workers.lean.lean_forward`)."""
+        from transformers.cache_utils import Cache
+
+        if self.lean is not None:
+            return self.lean(input_ids, position_ids, cache.layers if isinstance(cache, Cache) else cache,
+                             valid, keep)
+        if not isinstance(cache, Cache):
+            cache = Cache(layers=cache)
+        return self.model(input_ids=input_ids, attention_mask=valid, position_ids=position_ids,
+                          cache=cache, use_cache=True, logits_to_keep=keep).logits
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -179,10 +198,10 @@ class HFWorker(Worker):
     def _score_one(self, seq_id: str, tokens: list[int], num_positions: int) -> torch.Tensor:
         entry, fresh = self._reconcile(seq_id, tokens, num_positions)
         new = torch.tensor([fresh], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=new, cache=entry.cache, use_cache=True, logits_to_keep=num_positions)
-        entry.cache = out.cache
+        past = len(entry.tokens)
+        positions = torch.arange(past, past + len(fresh), device=self.device)[None]
+        logits = self._logits(new, positions, entry.cache, None, num_positions)[0]
         entry.tokens.extend(fresh)
-        logits = out.logits[0, -num_positions:]
         # Verification runs on the host in at least float32.
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
@@ -492,10 +511,7 @@ class _Pool:
         width = max(len(h) for h in heads)
         input_ids, positions, mask = self._window(heads, [0] * len(heads), width)
         layers = [_buffer_layer(None, None, 0) for _ in self.kbufs]
-        from transformers.cache_utils import Cache
-
-        self.worker.model(input_ids=input_ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev),
-                          cache=Cache(layers=layers), use_cache=True, logits_to_keep=1)
+        self.worker._logits(input_ids.to(dev), positions.to(dev), layers, mask.to(dev), 1)
         used = self.used
         for layer, k, v in zip(layers, self.kbufs, self.vbufs):
             for i, (r, h) in enumerate(zip(rows, heads)):
@@ -554,10 +570,7 @@ class _Pool:
         compact = size * (used + width) <= 4096
         for layer in layers:
             layer.compact_views = compact
-        from transformers.cache_utils import Cache
-
-        out = worker.model(input_ids=input_ids.to(dev), attention_mask=mask, position_ids=positions.to(dev),
-                           cache=Cache(layers=layers), use_cache=True, logits_to_keep=keep)
+        logits_all = worker._logits(input_ids.to(dev), positions.to(dev), layers, mask, keep)
         if padded:  # pad columns hold junk: zero it, so that nothing non-finite can ever sit in the cache
             junk = ~new_valid.to(dev)[:, None, :, None]
             for layer in layers:
@@ -572,7 +585,6 @@ class _Pool:
             self.vbufs = [layer.vbuf for layer in layers]
             self.layers = layers
         self.used = used + width
-        logits_all = out.logits
         if logits_all.dtype in (torch.float16, torch.bfloat16):
             logits_all = logits_all.float()
         logits_all = logits_all.cpu()

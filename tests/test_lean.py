@@ -1,0 +1,117 @@
+"""The lean forward (workers/lean.py) gives transformers' logits, through the worker's caches,
+on Llama variants the bundled family does not cover (grouped-query attention, scaled RoPE,
+biases), and stands aside for any model it does not know exactly."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from workers.hf import HFWorker
+from workers.lean import lean_forward
+
+TOL = 1e-10
+
+
+def llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    params = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
+    params.update(overrides)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**params)).to(torch.float64).eval()
+
+
+VARIANTS = {
+    "mha": {},
+    "gqa-biases-llama3-rope": dict(
+        num_key_value_heads=2, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "mqa-linear-rope": dict(num_key_value_heads=1,
+                            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+}
+
+
+def solo(model, tokens, n):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, -n:]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_lean_worker_equals_transformers_through_rollbacks_joins_and_solo_calls(variant):
+    model = llama(**VARIANTS[variant])
+    worker = HFWorker.from_model(model)
+    assert worker.lean is not None
+    rng = random.Random(0)
+    seqs = {s: [rng.randrange(61) for _ in range(rng.randrange(2, 30))] for s in "abc"}
+
+    def check(ids, nums):
+        got = worker.score(ids, [seqs[s] for s in ids], nums)
+        for s, n, logits in zip(ids, nums, got):
+            torch.testing.assert_close(logits, solo(model, seqs[s], n), rtol=0, atol=TOL)
+
+    check(["a"], [2])  # alone: a DynamicCache of its own
+    seqs["a"].extend([5, 6, 7])
+    check(["a"], [3])
+    for step in range(20):
+        ids = rng.sample(sorted(seqs), rng.randrange(1, len(seqs) + 1))
+        nums = []
+        for s in ids:
+            toks = seqs[s]
+            cut = rng.randrange(0, 4)  # a rejected block rolls back
+            if cut and len(toks) > cut + 1:
+                del toks[-cut:]
+            grow = rng.randrange(1, 6)
+            toks.extend(rng.randrange(61) for _ in range(grow))
+            nums.append(rng.randrange(1, grow + 1))
+        check(ids, nums)
+        if step == 8:  # one leaves; a long newcomer joins the running batch (prefilled alone)
+            worker.release(["b"])
+            del seqs["b"]
+            seqs["d"] = [rng.randrange(61) for _ in range(40)]
+        if step == 12:
+            seqs["e"] = [rng.randrange(61) for _ in range(3)]
+
+
+def test_lean_and_transformers_forward_agree_on_the_bundled_family(family):
+    """float32, as served: the two forwards give the same logits on every bundled level."""
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(1)
+    for level in ("tiny", "large"):
+        model = AutoModelForCausalLM.from_pretrained(family / level, dtype=torch.float32).eval()
+        lean, plain = HFWorker.from_model(model), HFWorker.from_model(model, lean=False)
+        assert lean.lean is not None and plain.lean is None
+        seqs = [[rng.randrange(1, plain.vocab_size) for _ in range(n)] for n in (5, 17, 9)]
+        for step in range(6):
+            for t in seqs:
+                t.extend(rng.randrange(1, plain.vocab_size) for _ in range(1 + step % 3))
+            a = lean.score(["x", "y", "z"], seqs, [1, 2, 1])
+            b = plain.score(["x", "y", "z"], seqs, [1, 2, 1])
+            for x, y in zip(a, b):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_models_it_does_not_know_exactly_keep_the_transformers_forward():
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
+
+    assert lean_forward(llama()) is not None
+    eager = llama()
+    eager.config._attn_implementation = "eager"
+    assert lean_forward(eager) is None  # another attention kernel: another numeric path
+
+    class MyLlama(LlamaForCausalLM):  # a subclass may change anything
+        pass
+
+    sub = MyLlama(llama().config).eval()
+    assert lean_forward(sub) is None
+    hooked = llama()
+    hooked.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert lean_forward(hooked) is None
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_embd=32, n_layer=1, n_head=2)).eval()
+    assert lean_forward(gpt2) is None and HFWorker.from_model(gpt2).lean is None
+    training = llama().train()
+    assert lean_forward(training) is None

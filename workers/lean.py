@@ -1,0 +1,120 @@
+"""A lean forward pass for transformers' Llama models, over the caches the HF worker keeps.
+
+Small models are dominated by the framework's per-call work, not by their arithmetic: for the
+bundled 1-layer ``tiny`` at batch 4, transformers' ``LlamaForCausalLM.forward`` spends about 1 ms
+a pass, of which the matrix products are a third (building the 4D causal mask, output records,
+keyword plumbing and attention dispatch are the rest). A drafter runs several such passes per
+verification, so that overhead is paid many times per committed token.
+
+:func:`lean_forward` returns a function that runs the *same modules* of the loaded model (its
+embedding, RMSNorms, projections, rotary embedding, MLP and LM head, called in the same order and
+with the same attention kernel) without that plumbing: the attention mask is built once per pass
+from the worker's ``[rows, columns]`` validity mask, and each layer's keys/values go straight into
+the worker's cache layer. Its logits equal transformers' (bit for bit on the bundled family;
+``tests/test_lean.py`` compares both on random models, float64, with grouped-query attention and
+scaled RoPE). Any model it does not recognise exactly (another architecture, a subclass, a
+non-SDPA attention implementation, hooks that change the modules' calls) gets ``None`` and keeps
+transformers' own forward.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+Forward = Callable[..., torch.Tensor]
+
+
+def lean_forward(model) -> Forward | None:
+    """``forward(input_ids, position_ids, layers, valid, keep) -> logits`` for ``model``, or None.
+
+    * ``input_ids``, ``position_ids``: ``[rows, width]`` — the pass's new tokens and their positions;
+    * ``layers``: one cache layer per decoder layer; ``layer.update(keys, values)`` stores the new
+      columns and returns all of the layer's keys/values ``[rows, kv_heads, columns, head_dim]``,
+      the new ones last;
+    * ``valid``: ``[rows, columns]`` bool, which cached columns (the new ones included) a row may
+      attend to, or None for all of them; causality among the new columns is added here;
+    * ``keep``: logits are returned for the last ``keep`` positions only: ``[rows, keep, vocab]``.
+    """
+    if not _supported(model):
+        return None
+    inner = model.model
+    decoder = list(inner.layers[: model.config.num_hidden_layers])
+    attn = decoder[0].self_attn
+    head_dim, scaling, groups = attn.head_dim, attn.scaling, attn.num_key_value_groups
+
+    def forward(input_ids, position_ids, layers: Sequence, valid, keep: int) -> torch.Tensor:
+        rows, width = input_ids.shape
+        hidden = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(hidden, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        mask = _mask(valid, width, layers[0].get_seq_length() + width, hidden.device)
+        for layer, cache in zip(decoder, layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = a.q_proj(x).view(rows, width, -1, head_dim).transpose(1, 2)
+            k = a.k_proj(x).view(rows, width, -1, head_dim).transpose(1, 2)
+            v = a.v_proj(x).view(rows, width, -1, head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = cache.update(k, v)
+            if groups > 1:
+                keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+            hidden = hidden + a.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = inner.norm(hidden[:, width - keep:])
+        return model.lm_head(hidden)
+
+    return forward
+
+
+def _mask(valid, width: int, columns: int, device):
+    """The pass's boolean attention mask ``[rows, 1, width, columns]`` (True = attend), or None
+    when a single new token may see every column."""
+    if valid is None and width == 1:
+        return None
+    causal = torch.ones(width, columns, dtype=torch.bool, device=device).tril(columns - width)
+    if valid is None:
+        return causal[None, None]
+    return (valid[:, None, :columns] & causal[None])[:, None]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    rows, heads, columns, dim = x.shape
+    return x[:, :, None].expand(rows, heads, groups, columns, dim).reshape(rows, heads * groups, columns, dim)
+
+
+def _supported(model) -> bool:
+    """Exactly transformers' Llama, in inference, with SDPA attention and no hooks on its modules."""
+    try:
+        from transformers.models.llama import modeling_llama as llama
+    except ImportError:  # pragma: no cover - transformers without Llama
+        return False
+    if type(model) is not llama.LlamaForCausalLM or type(model.model) is not llama.LlamaModel:
+        return False
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa" or model.training:
+        return False
+    decoder = list(model.model.layers[: config.num_hidden_layers])
+    if not decoder or any(
+        type(layer) is not llama.LlamaDecoderLayer
+        or type(layer.self_attn) is not llama.LlamaAttention
+        or type(layer.mlp) is not llama.LlamaMLP
+        for layer in decoder
+    ):
+        return False
+    if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):
+        return False
+    # Hooks (accelerate's offloading, user forward hooks) change what a module call does; the
+    # lean pass calls the modules too, but skips the model-level forward that hooks may wrap.
+    for module in model.modules():
+        if getattr(module, "_hf_hook", None) is not None or module._forward_hooks or module._forward_pre_hooks:
+            return False
+    return True
