@@ -6,15 +6,16 @@ a pass, of which the matrix products are a third (building the 4D causal mask, o
 keyword plumbing and attention dispatch are the rest). A drafter runs several such passes per
 verification, so that overhead is paid many times per committed token.
 
-:func:`lean_forward` returns a function that runs the *same modules* of the loaded model (its
-embedding, RMSNorms, projections, rotary embedding, MLP and LM head, called in the same order and
-with the same attention kernel) without that plumbing: the attention mask is built once per pass
-from the worker's ``[rows, columns]`` validity mask, and each layer's keys/values go straight into
-the worker's cache layer. Its logits equal transformers' (bit for bit on the bundled family;
-``tests/test_lean.py`` compares both on random models, float64, with grouped-query attention and
-scaled RoPE). Any model it does not recognise exactly (another architecture, a subclass, a
-non-SDPA attention implementation, hooks that change the modules' calls) gets ``None`` and keeps
-transformers' own forward.
+:func:`lean_forward` returns a function that computes the same thing from the loaded model's
+own parts — its embedding, rotary embedding and LM head modules; the weights of its RMSNorms,
+projections and MLPs, applied with those modules' own ops in their order; the same SDPA attention
+kernel — without that plumbing: the attention mask is built once per pass from the worker's
+``[rows, columns]`` validity mask, and each layer's keys/values go straight into the worker's
+cache layer. ``tests/test_lean.py`` checks that its logits equal transformers' on random models in
+float64 (grouped-query and multi-query attention, scaled RoPE, biases) and on the bundled family in
+float32 (where they agree bit for bit). A model it does not recognise exactly (another
+architecture, a subclass, an attention implementation other than SDPA, hooks on its modules,
+which it would skip) gets ``None`` and keeps transformers' own forward.
 """
 from __future__ import annotations
 
@@ -43,6 +44,14 @@ def lean_forward(model) -> Forward | None:
     decoder = list(inner.layers[: model.config.num_hidden_layers])
     attn = decoder[0].self_attn
     head_dim, scaling, groups = attn.head_dim, attn.scaling, attn.num_key_value_groups
+    # Each layer's tensors, fetched once (a module call and its attribute lookups cost more than
+    # a small model's matrix product); the ops below are the modules' own, in their order.
+    weights = [(
+        _norm(layer.input_layernorm), _linear(layer.self_attn.q_proj), _linear(layer.self_attn.k_proj),
+        _linear(layer.self_attn.v_proj), _linear(layer.self_attn.o_proj), _norm(layer.post_attention_layernorm),
+        _linear(layer.mlp.gate_proj), _linear(layer.mlp.up_proj), _linear(layer.mlp.down_proj), layer.mlp.act_fn,
+    ) for layer in decoder]
+    final_norm = _norm(inner.norm)
 
     def forward(input_ids, position_ids, layers: Sequence, valid, keep: int) -> torch.Tensor:
         rows, width = input_ids.shape
@@ -50,21 +59,21 @@ def lean_forward(model) -> Forward | None:
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = _mask(valid, width, layers[0].get_seq_length() + width, hidden.device)
-        for layer, cache in zip(decoder, layers):
-            a = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = a.q_proj(x).view(rows, width, -1, head_dim).transpose(1, 2)
-            k = a.k_proj(x).view(rows, width, -1, head_dim).transpose(1, 2)
-            v = a.v_proj(x).view(rows, width, -1, head_dim).transpose(1, 2)
+        for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act), cache in zip(weights, layers):
+            x = _rms(hidden, *norm1)
+            q = F.linear(x, *wq).view(rows, width, -1, head_dim).transpose(1, 2)
+            k = F.linear(x, *wk).view(rows, width, -1, head_dim).transpose(1, 2)
+            v = F.linear(x, *wv).view(rows, width, -1, head_dim).transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             keys, values = cache.update(k, v)
             if groups > 1:
                 keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-            hidden = hidden + a.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        hidden = inner.norm(hidden[:, width - keep:])
+            hidden = hidden + F.linear(out.transpose(1, 2).reshape(rows, width, -1), *wo)
+            x = _rms(hidden, *norm2)
+            hidden = hidden + F.linear(act(F.linear(x, *gate)) * F.linear(x, *up), *down)
+        hidden = _rms(hidden[:, width - keep:], *final_norm)
         return model.lm_head(hidden)
 
     return forward
@@ -79,6 +88,22 @@ def _mask(valid, width: int, columns: int, device):
     if valid is None:
         return causal[None, None]
     return (valid[:, None, :columns] & causal[None])[:, None]
+
+
+def _linear(module) -> tuple:
+    return module.weight, module.bias
+
+
+def _norm(module) -> tuple:
+    return module.weight, module.variance_epsilon
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward, op for op (statistics in float32, scaled back in the input dtype)."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
