@@ -82,6 +82,10 @@ def add_parser(sub) -> None:
     mode.add_argument("--size", action="append", metavar="SIZE",
                       help=f"student size: a preset {list(SIZES)} or LAYERSxHIDDEN[xHEADS[xFFN]]; "
                       "repeat to train several students against one teacher forward")
+    mode.add_argument("--init", metavar="DIR",
+                      help="start the student from this model (same tokenizer) instead of a random "
+                      "init: continue distilling an existing drafter, e.g. against a retrained "
+                      "teacher; its shape replaces --size")
     mode.add_argument("--out", action="append", metavar="DIR",
                       help="output directory per --size (same order); default WORK_DIR/<size>")
     mode.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the teacher's; "
@@ -162,8 +166,12 @@ def run(args) -> int:
     if not args.teacher:
         print("cascade distill: give --teacher DIR|none (or --family DIR)", file=sys.stderr)
         return 2
-    if not args.size:
-        print("cascade distill: give at least one --size", file=sys.stderr)
+    if args.init and (args.size or args.teacher.lower() == "none"):
+        print("cascade distill: --init takes the student's shape from the model it names: no --size; "
+              "and it needs a --teacher", file=sys.stderr)
+        return 2
+    if not args.size and not args.init:
+        print("cascade distill: give at least one --size (or --init DIR)", file=sys.stderr)
         return 2
     return run_single(args)
 
@@ -454,6 +462,13 @@ def eval_loss(model, windows, device=None, batch_size: int = 8) -> float:
     return total / max(1, count)
 
 
+def _training_record(model_dir: str | None) -> dict | None:
+    """The training.json of the model a student was initialised from (its earlier training)."""
+    if not model_dir or not (Path(model_dir) / "training.json").exists():
+        return None
+    return json.loads((Path(model_dir) / "training.json").read_text())
+
+
 def _resume_mode(args) -> str:
     return "require" if args.resume else ("never" if args.restart else "auto")
 
@@ -498,7 +513,17 @@ def run_single(args) -> int:
         teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32)
         if teacher.get_input_embeddings().weight.shape[0] < len(tokenizer):
             raise SystemExit("cascade distill: the teacher's vocabulary is smaller than the tokenizer's")
-    sizes = [parse_size(s) for s in args.size]
+    if args.init:
+        init = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        if init.config.vocab_size != teacher.config.vocab_size:
+            raise SystemExit(f"cascade distill: --init {args.init} has a vocabulary of {init.config.vocab_size}, "
+                             f"the teacher {teacher.config.vocab_size}")
+        c = init.config
+        sizes = [dict(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
+                      intermediate=c.intermediate_size)]
+        args.size = [Path(args.init).name or "init"]
+    else:
+        sizes = [parse_size(s) for s in args.size]
     outs = args.out or []
     if len(outs) not in (0, len(sizes)):
         raise SystemExit("cascade distill: give one --out per --size (or none)")
@@ -512,11 +537,15 @@ def run_single(args) -> int:
     sampler = WindowSampler(data, args.seq_len, args.batch_size, seed=args.seed)
     students = {}
     for i, (name, size) in enumerate(zip(names, sizes)):
+        if args.init:
+            students[name] = init
+            log(f"student {name}: initialised from {args.init}", work_dir)
+            continue
         students[name] = make_model(size, tokenizer, seed=args.seed + 1 + i, max_positions=max(1024, args.seq_len))
         if teacher is not None and students[name].config.vocab_size != teacher.config.vocab_size:
             students[name].resize_token_embeddings(teacher.config.vocab_size)
         log(f"student {name}: {size} -> {count_params(students[name]):,} params", work_dir)
-    lr = args.lr or (1.5e-3 if scratch else 2e-3)
+    lr = args.lr if args.lr is not None else (1.5e-3 if scratch else 2e-3)
     summary = train_students(
         students, teacher, sampler, args.steps, ckpt_path=work_dir / "checkpoint.pt", lr=lr,
         warmup=min(args.warmup, max(1, args.steps // 10)), min_lr_ratio=args.min_lr_ratio,
@@ -532,6 +561,7 @@ def run_single(args) -> int:
     for (name, model), out, size in zip(students.items(), outs, sizes):
         extra = {"size": size, "steps": summary["steps"], "seq_len": args.seq_len, "batch_size": args.batch_size,
                  "teacher": None if scratch else str(args.teacher), "kl_weight": args.kl_weight,
+                 "init": args.init, "init_training": _training_record(args.init),
                  "temperature": args.temperature, "lr": lr, "seed": args.seed,
                  "train_tokens": summary["steps"] * args.batch_size * args.seq_len,
                  "train_seconds": round(summary["train_seconds"], 1), "corpus": list(args.corpus),
@@ -601,7 +631,7 @@ def run_family(args) -> int:
         large = make_model(sizes["large"], tokenizer, seed=args.seed + 4, max_positions=max(1024, args.seq_len))
         log(f"large: {count_params(large):,} params, {args.teacher_steps} steps from scratch", work_dir)
         sampler = WindowSampler(data, args.seq_len, args.batch_size, seed=args.seed)
-        lr = args.lr or 1.5e-3
+        lr = args.lr if args.lr is not None else 1.5e-3
         summary = train_students(
             {"large": large}, None, sampler, args.teacher_steps, ckpt_path=large_stage / "checkpoint.pt",
             lr=lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
@@ -633,7 +663,7 @@ def run_family(args) -> int:
         for lv, m in students.items():
             log(f"{lv}: {count_params(m):,} params, distilled from large for {args.student_steps} steps", work_dir)
         sampler = WindowSampler(data, args.seq_len, args.batch_size, seed=args.seed + 1)
-        lr = args.lr or 2e-3
+        lr = args.lr if args.lr is not None else 2e-3
         summary = train_students(
             students, large, sampler, args.student_steps, ckpt_path=work_dir / "students" / "checkpoint.pt",
             lr=lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,

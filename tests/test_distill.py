@@ -134,6 +134,31 @@ def test_distillation_moves_student_towards_teacher(tmp_path, teacher_dir, corpu
     assert after < 0.5 * before
 
 
+def test_init_continues_from_an_existing_student(tmp_path, teacher_dir, corpus_dir):
+    """--init starts from a saved model (its shape, its weights) and records where it came from."""
+    first = tmp_path / "first"
+    assert distill.main(_args(teacher_dir, corpus_dir, tmp_path / "w1", first)) == 0
+
+    def args(out, work, *extra):
+        a = _args(teacher_dir, corpus_dir, work, out, *extra)
+        i = a.index("--size")
+        return a[:i] + ["--init", str(first)] + a[i + 2:]
+
+    frozen = tmp_path / "frozen"  # learning rate 0: the init comes out unchanged
+    assert distill.main(args(frozen, tmp_path / "w2", "--lr", "0")) == 0
+    trained = tmp_path / "trained"
+    assert distill.main(args(trained, tmp_path / "w3")) == 0
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    a, b, c = (load(d).state_dict() for d in (first, frozen, trained))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    info = json.loads((trained / "training.json").read_text())
+    assert info["init"] == str(first) and info["init_training"]["steps"] == 6
+    assert info["size"]["hidden"] == 32 and info["size"]["layers"] == 1
+    # a shape of its own is a contradiction
+    assert distill.main(args(tmp_path / "x", tmp_path / "w4", "--size", "1x32")) == 2
+
+
 def test_from_scratch_mode(tmp_path, teacher_dir, corpus_dir):
     out = tmp_path / "base"
     args = ["distill", "--teacher", "none", "--tokenizer", str(teacher_dir), "--size", "1x32x2x64",
