@@ -31,6 +31,9 @@ date
 cascade bench $BATCH --policy 'fixed:lookahead={tiny: 4},path=[tiny, large]' --out $R/batch-fixed-tiny4 --no-progress \
     2>&1 | grep -v "Loading weights" > $R/batch-fixed-tiny4.txt
 date
+# the worker's lean forward against transformers' forward, per pass, on every level
+python examples/reports/lean_forward.py 2>&1 | grep -v "Loading weights" > $R/lean_forward.md
+date
 # what any lookahead rule could gain over the best fixed one on tiny -> large (replay + oracle)
 mkdir -p $R/headroom
 python examples/reports/headroom.py --drafter examples/models/tiny --verifier examples/models/large \
