@@ -234,10 +234,22 @@ def acceptance_matrix(models: dict, tokenizer, prompts, new_tokens: int = 64, te
 
 
 def _teacher_text(meta: dict) -> str:
+    if meta.get("init_training"):  # continued from an earlier model (`cascade distill --init`)
+        return (f"{_teacher_text(meta['init_training'])}, then distilled further from {meta.get('teacher')} "
+                f"({meta.get('steps')} steps, KL weight {meta.get('kl_weight')})")
     text = meta.get("teacher") or "none (cross-entropy)"
     if meta.get("refine"):
         text += f", then refined against {meta['refine'].get('teacher')} ({meta['refine'].get('steps')} steps)"
     return text
+
+
+def _training_total(meta: dict, key: str):
+    """Tokens or seconds of training, summed over the models a model was initialised from."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    earlier = _training_total(meta["init_training"], key) if meta.get("init_training") else 0
+    return value + (earlier or 0)
 
 
 def markdown(results: dict) -> str:
@@ -248,8 +260,8 @@ def markdown(results: dict) -> str:
              "|---|---|---:|---:|---:|---:|---|"]
     for lv in levels:
         m = meta[lv]
-        tt = m.get("train_tokens")
-        ts = m.get("train_seconds")
+        tt = _training_total(m, "train_tokens")
+        ts = _training_total(m, "train_seconds")
         lines.append(f"| {lv} | {m['layers']} x {m['hidden']} ({m['heads']}, {m['intermediate']}) | {m['params']:,} "
                      f"| {m['weights_mib']:.2f} | {f'{tt / 1e6:.2f} M' if tt else '?'} "
                      f"| {f'{ts / 60:.1f} min' if ts else '?'} | {_teacher_text(m)} |")

@@ -155,6 +155,12 @@ def test_init_continues_from_an_existing_student(tmp_path, teacher_dir, corpus_d
     info = json.loads((trained / "training.json").read_text())
     assert info["init"] == str(first) and info["init_training"]["steps"] == 6
     assert info["size"]["hidden"] == 32 and info["size"]["layers"] == 1
+    # the model card counts both trainings and names both teachers
+    from cascade.family_eval import _teacher_text, _training_total
+
+    assert _training_total(info, "train_tokens") == 2 * 6 * 2 * 32
+    assert _training_total(info, "train_seconds") == info["train_seconds"] + info["init_training"]["train_seconds"]
+    assert _teacher_text(info) == f"{teacher_dir}, then distilled further from {teacher_dir} (6 steps, KL weight 0.8)"
     # a shape of its own is a contradiction
     assert distill.main(args(tmp_path / "x", tmp_path / "w4", "--size", "1x32")) == 2
 
