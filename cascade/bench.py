@@ -9,7 +9,9 @@ the same run. Configurations:
 3. ``hf-assisted:<draft>``: transformers assisted generation, each draft as ``assistant_model``;
 4. ``hf-prompt-lookup``: transformers prompt-lookup decoding;
 5. ``cascade:<draft>-><authority>``: 2-level cascade with each draft, ``fixed`` policy;
-6. ``cascade:3level`` / ``cascade:4level`` (with and without the n-gram level), ``fixed`` and ``auto``.
+6. ``cascade:3level`` / ``cascade:4level`` (with and without the n-gram level), ``fixed`` and ``auto``:
+   the chain of those levels only (each configuration's graph is its path's edges, without the
+   topology's shortcut edges).
 
 Each cascade configuration also gets a *predicted* speedup from its measured acceptance per
 draft position and measured seconds per forward pass of each level (the seed's equation, §9,
