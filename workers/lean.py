@@ -40,6 +40,8 @@ def lean_forward(model) -> Forward | None:
     """
     if not _supported(model):
         return None
+    from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
+
     inner = model.model
     decoder = list(inner.layers[: model.config.num_hidden_layers])
     attn = decoder[0].self_attn
@@ -64,11 +66,11 @@ def lean_forward(model) -> Forward | None:
             q = F.linear(x, *wq).view(rows, width, -1, head_dim).transpose(1, 2)
             k = F.linear(x, *wk).view(rows, width, -1, head_dim).transpose(1, 2)
             v = F.linear(x, *wv).view(rows, width, -1, head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             keys, values = cache.update(k, v)
             if groups > 1:
-                keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
+                keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
             hidden = hidden + F.linear(out.transpose(1, 2).reshape(rows, width, -1), *wo)
             x = _rms(hidden, *norm2)
@@ -104,16 +106,6 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    rows, heads, columns, dim = x.shape
-    return x[:, :, None].expand(rows, heads, groups, columns, dim).reshape(rows, heads * groups, columns, dim)
 
 
 def _supported(model) -> bool:
