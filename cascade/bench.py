@@ -10,13 +10,15 @@ the same run. Configurations:
 4. ``hf-prompt-lookup``: transformers prompt-lookup decoding;
 5. ``cascade:<draft>-><authority>``: 2-level cascade with each draft, ``fixed`` policy;
 6. ``cascade:3level`` / ``cascade:4level`` (with and without the n-gram level), ``fixed`` and ``auto``:
-   the chain of those levels only (each configuration's graph is its path's edges, without the
-   topology's shortcut edges).
+   those levels, with the chain's edges and every edge of the topology between them (its
+   shortcuts), so ``auto`` chooses among the same paths as on the topology itself; ``fixed``
+   drafts along the whole chain.
 
 Each cascade configuration also gets a *predicted* speedup from its measured acceptance per
 draft position and measured seconds per forward pass of each level (the seed's equation, §9,
-composed up the hierarchy: ``Estimates.path_cost``); measured ÷ predicted is the share of the
-ideal that the orchestration keeps.
+composed up the hierarchy: ``Estimates.path_cost``), for the path its steps mostly took
+(``predicted_path``: a chain's own path; for ``auto``, the one it settled on). Measured ÷
+predicted is the share of that ideal the configuration kept.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class Config:
     path: tuple[str, ...] = ()
     policy: str = ""
     run: Callable[[list[int], int], tuple[list[int], float, Any]] | None = None
+    graph: Any = None  # a cascade configuration's graph (networkx.DiGraph)
 
 
 @dataclass
@@ -67,6 +70,8 @@ class ConfigReport:
     level_seconds_per_token: dict[str, float] = field(default_factory=dict)
     orchestration_seconds_per_token: float | None = None
     predicted_speedup: float | None = None
+    predicted_path: list[str] = field(default_factory=list)
+    edges: list[str] = field(default_factory=list)  # a cascade configuration's graph
     measured_over_predicted: float | None = None
     mismatches: list[int] = field(default_factory=list)  # prompts whose output differs from plain
 
@@ -125,26 +130,28 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
 
     cascades: dict[tuple[str, ...], Cascade] = {}
 
-    def cascade_run(path: tuple[str, ...], policy_spec: str):
-        levels = [topo.spec.level(n).model_dump() for n in path]
-        edges = [list(e) for e in zip(path, path[1:])]
-        sub = topology_from_dict({"levels": levels, "edges": edges}, topo.source, topo.base_dir, check_models=False)
-        c = cascades.setdefault(path, Cascade(sub, {n: workers[n] for n in path}, tokenizer,
-                                              make_policy("fixed")))
+    def cascade_config(name: str, path: tuple[str, ...], policy_spec: str) -> Config:
+        if path not in cascades:
+            levels = [topo.spec.level(n).model_dump() for n in path]
+            chain = list(zip(path, path[1:]))
+            edges = [list(e) for e in chain + [e for e in topo.graph.subgraph(path).edges if e not in chain]]
+            sub = topology_from_dict({"levels": levels, "edges": edges}, topo.source, topo.base_dir,
+                                     check_models=False)
+            cascades[path] = Cascade(sub, {n: workers[n] for n in path}, tokenizer, make_policy("fixed"))
+        c = cascades[path]
         policy = make_policy(*parse_policy_spec(policy_spec))
 
         def run(ids: list[int], n: int):
             g = c.generate(ids, max_new_tokens=n, temperature=0.0, policy=policy)
             return g.token_ids, g.stats.wall_seconds, g.stats
-        return run
+        return Config(name, "cascade", path, policy_spec, run, c.topology.graph)
 
     def fixed_spec(path: tuple[str, ...]) -> str:
         defaults = {n: fixed.get(n, 3 + 2 * i) for i, n in enumerate(path[:-1])}
         return "fixed:lookahead={" + ", ".join(f"{k}: {v}" for k, v in defaults.items()) + "}"
 
     configs = [Config("plain", "plain", (authority,), run=plain)]
-    configs.append(Config("cascade:authority", "cascade", (authority,), "fixed",
-                          cascade_run((authority,), "fixed")))
+    configs.append(cascade_config("cascade:authority", (authority,), "fixed"))
     if assisted:
         for d in hf_drafts:
             configs.append(Config(f"hf-assisted:{d}", "hf", (d, authority),
@@ -153,8 +160,7 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
                               run=hf_run(prompt_lookup_num_tokens=prompt_lookup)))
     for d in hf_drafts:
         path = (d, authority)
-        configs.append(Config(f"cascade:{d}->{authority}", "cascade", path, fixed_spec(path),
-                              cascade_run(path, fixed_spec(path))))
+        configs.append(cascade_config(f"cascade:{d}->{authority}", path, fixed_spec(path)))
     chain = tuple(hf_drafts) + (authority,)
     paths: list[tuple[str, str]] = []
     if len(chain) >= 4:
@@ -166,7 +172,7 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
     for label, path in paths:
         for policy in (fixed_spec(path), "auto"):
             short = "fixed" if policy.startswith("fixed") else policy
-            configs.append(Config(f"cascade:{label}:{short}", "cascade", path, policy, cascade_run(path, policy)))
+            configs.append(cascade_config(f"cascade:{label}:{short}", path, policy))
     return configs
 
 
@@ -193,6 +199,19 @@ def predicted_seconds_per_token(path: tuple[str, ...], stats, max_lookahead: int
     return per_token
 
 
+def main_path(stats) -> tuple[str, ...]:
+    """The path a configuration's steps mostly took (a ``RequestStats``): from the authority down,
+    the proposer of each level's most verified blocks. A policy that chooses paths (``auto``)
+    probes the others now and then, too briefly for their measurements to predict anything."""
+    path = [stats.authority]
+    while True:
+        blocks = {key.split("->")[0]: e.blocks for key, e in stats.edges.items()
+                  if key.split("->")[1] == path[0] and e.blocks and key.split("->")[0] not in path}
+        if not blocks:
+            return tuple(path)
+        path.insert(0, max(blocks, key=blocks.get))
+
+
 def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repeats: int = 1,
               out: str | Path | None = None, prompt_lookup: int = 10, only: list[str] | None = None,
               progress: bool = True, seed: int = 0) -> tuple[list[ConfigReport], list[Sample]]:
@@ -205,8 +224,8 @@ def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repe
     if not any(lv.kind == "ngram" for lv in topo.spec.levels):  # add the free level for the ngram configs
         data = topo.spec.model_dump()
         data["levels"].insert(0, {"name": "ngram", "kind": "ngram"})
-        hf = [lv["name"] for lv in data["levels"]]
-        data["edges"] = [list(e) for e in zip(hf, hf[1:])]
+        if data["edges"] is not None:  # else the chain in listed order, the n-gram level first
+            data["edges"] = [["ngram", data["levels"][1]["name"]]] + data["edges"]
         data["policy"] = {"name": "fixed", "params": {}}
         topo = topology_from_dict(data, topo.source, topo.base_dir, check_models=False)
     workers = build_workers(topo)
@@ -270,6 +289,7 @@ def summarize(configs: list[Config], samples: list[Sample], n_prompts: int) -> l
             mismatches=sorted({s.prompt for s in xs if s.token_ids != plain_ids[(s.prompt, s.repeat)]}),
         )
         if c.kind == "cascade":
+            rep.edges = [f"{a}->{b}" for a, b in c.graph.edges]
             merged = RequestStats(c.path[-1])
             for s in xs:
                 merged.merge(s.stats)
@@ -278,8 +298,10 @@ def summarize(configs: list[Config], samples: list[Sample], n_prompts: int) -> l
             rep.level_seconds_per_token = {k: v.seconds / tokens for k, v in merged.levels.items()}
             wall = sum(s.seconds for s in xs)
             rep.orchestration_seconds_per_token = (wall - sum(v.seconds for v in merged.levels.values())) / tokens
-            predicted = predicted_seconds_per_token(c.path, merged) if len(c.path) > 1 else None
+            path = main_path(merged)
+            predicted = predicted_seconds_per_token(path, merged) if len(path) > 1 else None
             if predicted:
+                rep.predicted_path = list(path)
                 rep.predicted_speedup = plain_spt / predicted
                 rep.measured_over_predicted = (plain_spt / (wall / tokens)) / rep.predicted_speedup
         reports.append(rep)
@@ -310,7 +332,8 @@ def markdown(reports: list[ConfigReport], config: dict) -> str:
     for r in reports:
         if r.acceptance:
             accs = ", ".join(f"{k} {v:.2f}" for k, v in r.acceptance.items())
-            lines.append(f"- {r.name}: {accs}")
+            best = f" (prediction's path: {' -> '.join(r.predicted_path)})" if r.predicted_path else ""
+            lines.append(f"- {r.name}: {accs}{best}")
     return "\n".join(lines) + "\n"
 
 
