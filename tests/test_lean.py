@@ -1,6 +1,7 @@
 """The lean forward (workers/lean.py) gives transformers' logits, through the worker's caches,
 on Llama variants the bundled family does not cover (grouped-query attention, scaled RoPE,
-biases), and stands aside for any model it does not know exactly."""
+biases) and on the other architectures it supports (Mistral, Qwen2, Qwen3), and stands aside
+for any model it does not know exactly."""
 from __future__ import annotations
 
 import random
@@ -14,18 +15,28 @@ from workers.lean import lean_forward
 TOL = 1e-10
 
 
-def llama(**overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make(arch: str = "llama", **overrides):
+    """A small random model of transformers' ``arch`` (a model_type), float64, in eval mode."""
+    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
 
     params = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
     params.update(overrides)
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**params)).to(torch.float64).eval()
+    config = CONFIG_MAPPING[arch](**params)
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+
+
+def llama(**overrides):
+    return make("llama", **overrides)
 
 
 VARIANTS = {
     "mha": {},
+    "mistral-gqa": dict(arch="mistral", num_key_value_heads=2, sliding_window=None),
+    "qwen2-gqa-qkv-biases": dict(arch="qwen2", num_key_value_heads=2),
+    "qwen3-gqa-head-norms": dict(arch="qwen3", num_key_value_heads=2, head_dim=12),
     "gqa-biases-llama3-rope": dict(
         num_key_value_heads=2, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -42,7 +53,8 @@ def solo(model, tokens, n):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_lean_worker_equals_transformers_through_rollbacks_joins_and_solo_calls(variant):
-    model = llama(**VARIANTS[variant])
+    model = make(**VARIANTS[variant])
+    assert type(model).__name__.lower().startswith(VARIANTS[variant].get("arch", "llama"))
     worker = HFWorker.from_model(model)
     assert worker.lean is not None
     rng = random.Random(0)
@@ -115,3 +127,9 @@ def test_models_it_does_not_know_exactly_keep_the_transformers_forward():
     assert lean_forward(gpt2) is None and HFWorker.from_model(gpt2).lean is None
     training = llama().train()
     assert lean_forward(training) is None
+    # A sliding attention window masks columns by position, which the lean mask does not do.
+    assert lean_forward(make("mistral", sliding_window=16)) is None
+    assert lean_forward(make("mistral", sliding_window=None)) is not None
+    assert lean_forward(make("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)) is None
+    assert lean_forward(make("qwen3")) is not None
+    assert lean_forward(make("qwen3").to(torch.float64).train()) is None

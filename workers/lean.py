@@ -1,4 +1,5 @@
-"""A lean forward pass for transformers' Llama models, over the caches the HF worker keeps.
+"""A lean forward pass for transformers' Llama-shaped models (Llama, Mistral, Qwen2, Qwen3), over the
+caches the HF worker keeps.
 
 Small models are dominated by the framework's per-call work, not by their arithmetic: for the
 bundled 1-layer ``tiny`` at batch 4, transformers' ``LlamaForCausalLM.forward`` spends about 1 ms
@@ -12,10 +13,11 @@ projections and MLPs, applied with those modules' own ops in their order; the sa
 kernel — without that plumbing: the attention mask is built once per pass from the worker's
 ``[rows, columns]`` validity mask, and each layer's keys/values go straight into the worker's
 cache layer. ``tests/test_lean.py`` checks that its logits equal transformers' on random models in
-float64 (grouped-query and multi-query attention, scaled RoPE, biases) and on the bundled family in
-float32 (where they agree bit for bit). A model it does not recognise exactly (another
-architecture, a subclass, an attention implementation other than SDPA, hooks on its modules,
-which it would skip) gets ``None`` and keeps transformers' own forward.
+float64 (each architecture; grouped-query and multi-query attention, scaled RoPE, biases, Qwen3's
+per-head query/key norms) and on the bundled family in float32 (where they agree bit for bit). A
+model it does not recognise exactly (another architecture, a subclass, an attention
+implementation other than SDPA, a sliding attention window, hooks on its modules, which it
+would skip) gets ``None`` and keeps transformers' own forward.
 """
 from __future__ import annotations
 
@@ -25,6 +27,16 @@ import torch
 import torch.nn.functional as F
 
 Forward = Callable[..., torch.Tensor]
+
+# model_type -> (transformers module, class-name prefix). These architectures share Llama's
+# decoder exactly (pre-norm RMSNorm residual blocks, rotary attention over q/k/v/o projections
+# with optional biases, a gated MLP); Qwen3 adds an RMSNorm over each query and key head.
+ARCHITECTURES = {
+    "llama": ("transformers.models.llama.modeling_llama", "Llama"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
+}
 
 
 def lean_forward(model) -> Forward | None:
@@ -38,10 +50,10 @@ def lean_forward(model) -> Forward | None:
       attend to, or None for all of them; causality among the new columns is added here;
     * ``keep``: logits are returned for the last ``keep`` positions only: ``[rows, keep, vocab]``.
     """
-    if not _supported(model):
+    arch = _supported(model)
+    if arch is None:
         return None
-    from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
-
+    repeat_kv, rotate_half = arch.repeat_kv, arch.rotate_half
     inner = model.model
     decoder = list(inner.layers[: model.config.num_hidden_layers])
     attn = decoder[0].self_attn
@@ -52,6 +64,7 @@ def lean_forward(model) -> Forward | None:
         _norm(layer.input_layernorm), _linear(layer.self_attn.q_proj), _linear(layer.self_attn.k_proj),
         _linear(layer.self_attn.v_proj), _linear(layer.self_attn.o_proj), _norm(layer.post_attention_layernorm),
         _linear(layer.mlp.gate_proj), _linear(layer.mlp.up_proj), _linear(layer.mlp.down_proj), layer.mlp.act_fn,
+        _head_norms(layer.self_attn),
     ) for layer in decoder]
     final_norm = _norm(inner.norm)
 
@@ -61,10 +74,13 @@ def lean_forward(model) -> Forward | None:
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = _mask(valid, width, layers[0].get_seq_length() + width, hidden.device)
-        for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act), cache in zip(weights, layers):
+        for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act, head_norms), cache in zip(weights, layers):
             x = _rms(hidden, *norm1)
-            q = F.linear(x, *wq).view(rows, width, -1, head_dim).transpose(1, 2)
-            k = F.linear(x, *wk).view(rows, width, -1, head_dim).transpose(1, 2)
+            q = F.linear(x, *wq).view(rows, width, -1, head_dim)
+            k = F.linear(x, *wk).view(rows, width, -1, head_dim)
+            if head_norms is not None:  # Qwen3: each head's query and key normalised
+                q, k = _rms(q, *head_norms[0]), _rms(k, *head_norms[1])
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = F.linear(x, *wv).view(rows, width, -1, head_dim).transpose(1, 2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
@@ -100,6 +116,11 @@ def _norm(module) -> tuple:
     return module.weight, module.variance_epsilon
 
 
+def _head_norms(attn) -> tuple | None:
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return None if q_norm is None else (_norm(q_norm), _norm(k_norm))
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm.forward, op for op (statistics in float32, scaled back in the input dtype)."""
     dtype = x.dtype
@@ -108,30 +129,46 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-def _supported(model) -> bool:
-    """Exactly transformers' Llama, in inference, with SDPA attention and no hooks on its modules."""
+def _supported(model):
+    """The model's transformers module if the model is exactly one of :data:`ARCHITECTURES`, in
+    inference, with SDPA attention over the full context (no sliding window) and no hooks on its
+    modules; else None."""
+    import importlib
+
+    spec = ARCHITECTURES.get(getattr(model.config, "model_type", None))
+    if spec is None:
+        return None
     try:
-        from transformers.models.llama import modeling_llama as llama
-    except ImportError:  # pragma: no cover - transformers without Llama
-        return False
-    if type(model) is not llama.LlamaForCausalLM or type(model.model) is not llama.LlamaModel:
-        return False
+        arch = importlib.import_module(spec[0])
+    except ImportError:  # pragma: no cover - a transformers without this architecture
+        return None
+    prefix = spec[1]
+    cls = lambda name: getattr(arch, prefix + name, None)  # noqa: E731
+    if type(model) is not cls("ForCausalLM") or type(model.model) is not cls("Model"):
+        return None
     config = model.config
     if getattr(config, "_attn_implementation", None) != "sdpa" or model.training:
-        return False
+        return None
     decoder = list(model.model.layers[: config.num_hidden_layers])
-    if not decoder or any(
-        type(layer) is not llama.LlamaDecoderLayer
-        or type(layer.self_attn) is not llama.LlamaAttention
-        or type(layer.mlp) is not llama.LlamaMLP
+    norm = cls("RMSNorm")
+    if not decoder or type(model.model.norm) is not norm or any(
+        type(layer) is not cls("DecoderLayer")
+        or type(layer.self_attn) is not cls("Attention")
+        or type(layer.mlp) is not cls("MLP")
+        or type(layer.input_layernorm) is not norm
+        or type(layer.post_attention_layernorm) is not norm
         for layer in decoder
     ):
-        return False
-    if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):
-        return False
+        return None
+    # A sliding window masks old columns by position; the lean mask has no notion of it.
+    if getattr(config, "layer_types", None):
+        if any(t != "full_attention" for t in config.layer_types):
+            return None
+    elif getattr(config, "sliding_window", None) is not None:
+        return None
     # Hooks (accelerate's offloading, user forward hooks) change what a module call does; the
     # lean pass calls the modules too, but skips the model-level forward that hooks may wrap.
     for module in model.modules():
         if getattr(module, "_hf_hook", None) is not None or module._forward_hooks or module._forward_pre_hooks:
-            return False
-    return True
+            return None
+    return arch
