@@ -12,7 +12,9 @@ pass scoring w positions, w = 1..33). Then each rule is simulated on the same te
   uses, with its table fitted in-sample (an upper bound for the online version), best over
   thresholds and caps;
 - an oracle that knows how many drafts will be accepted and drafts exactly those (no rule that
-  sees only the drafter can do better).
+  sees only the drafter can do better with a single chain of drafts);
+- a small tree instead of a chain: k drafts plus, at each position, the drafter's second choice
+  as a leaf (one verifier pass of width 2k + 1; a leaf that is the verifier's token adds one).
 
 Usage (from the repository root; OMP_NUM_THREADS=1 for stable timings):
 
@@ -30,7 +32,8 @@ import torch
 
 
 def replay(drafter, verifier, tok, prompts, max_new_tokens):
-    """Per prompt: [(drafter's probability of its greedy token, matches the verifier's), ...]."""
+    """Per prompt: [(drafter's probability of its greedy token, it matches the verifier's,
+    the drafter's second choice matches), ...]."""
     rows = []
     with torch.inference_mode():
         for p in prompts:
@@ -38,8 +41,9 @@ def replay(drafter, verifier, tok, prompts, max_new_tokens):
             out = verifier.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
             target = out[0, ids.shape[1]:].tolist()
             probs = torch.softmax(drafter(out).logits[0].float(), -1)[ids.shape[1] - 1:-1]
-            top = probs.max(-1)
-            rows.append([(float(top.values[j]), int(top.indices[j]) == target[j]) for j in range(len(target))])
+            top = probs.topk(2, -1)
+            rows.append([(float(top.values[j, 0]), int(top.indices[j, 0]) == target[j],
+                          int(top.indices[j, 1]) == target[j]) for j in range(len(target))])
     return rows
 
 
@@ -81,7 +85,7 @@ def simulate(rows, draft_cost, verify_cost, rule, cap):
         while t < n:
             k, accepted, state = 0, None, None
             while k < cap and t + k < n - 1:
-                prob, match = text[t + k]
+                prob, match, _ = text[t + k]
                 k += 1
                 if accepted is None and not match:
                     accepted = k - 1
@@ -109,11 +113,27 @@ def oracle(rows, draft_cost, verify_cost, cap):
     return tokens / seconds
 
 
+def leaves(rows, draft_cost, verify_cost, k):
+    """k drafts and a second-choice leaf at each of their positions, verified in one pass."""
+    seconds = tokens = 0.0
+    for text in rows:
+        t, n = 0, len(text)
+        while t < n:
+            run = 0
+            while run < k and t + run < n - 1 and text[t + run][1]:
+                run += 1
+            leaf = int(run < k and t + run < n - 1 and text[t + run][2])
+            seconds += k * draft_cost + verify_cost[min(2 * k + 1, max(verify_cost))]
+            tokens += run + 1 + leaf
+            t += run + 1 + leaf
+    return tokens / seconds
+
+
 def calibration(rows):
     """In-sample acceptance per confidence bin: for a block's first token, and for later ones."""
     counts = [[[0, 0] for _ in BINS] for _ in range(2)]
     for text in rows:
-        for j, (prob, match) in enumerate(text):
+        for j, (prob, match, _) in enumerate(text):
             later = 1 if j and text[j - 1][1] else 0
             c = counts[later][bisect.bisect_right(BINS, prob) - 1]
             c[0] += 1
@@ -159,11 +179,15 @@ def main() -> None:
              for th in (0.05, 0.1, 0.2, 0.3, 0.4, 0.5) for cap in (8, 16, 32)}
     best_stop = max(stops, key=stops.get)
     oracles = {cap: oracle(rows, draft_cost, verify_cost, cap) for cap in (8, 32)}
-    matches = [m for text in rows for _, m in text]
+    trees = {k: leaves(rows, draft_cost, verify_cost, k) for k in range(1, 9)}
+    best_tree = max(trees, key=trees.get)
+    matches = [m for text in rows for _, m, _ in text]
+    seconds = [m for text in rows for _, _, m in text]
 
     lines = [
         f"Drafter `{args.drafter}`, verifier `{args.verifier}`, {len(prompts)} prompts x {args.max_new_tokens} "
-        f"greedy tokens; drafter acceptance (teacher-forced) {sum(matches) / len(matches):.3f}; measured "
+        f"greedy tokens; drafter acceptance (teacher-forced) {sum(matches) / len(matches):.3f} (its second "
+        f"choice is the verifier's token at {sum(seconds) / len(seconds):.3f} of positions); measured "
         f"costs: drafted token {draft_cost * 1e3:.2f} ms, verifier pass {verify_cost[1] * 1e3:.2f} ms (1 position), "
         f"{verify_cost[9] * 1e3:.2f} ms (9), {verify_cost[33] * 1e3:.2f} ms (33). Engine overhead per step not "
         "included (the same for every rule).",
@@ -177,12 +201,13 @@ def main() -> None:
     row(f"calibrated stop, threshold {best_stop[0]}, cap {best_stop[1]} (in-sample table)", stops[best_stop])
     for cap, v in oracles.items():
         row(f"oracle (knows the accepted run), cap {cap}", v)
+    row(f"tree: k={best_tree} drafts + a second-choice leaf at each (best k <= 8)", trees[best_tree])
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"markdown": "\n".join(lines), "fixed": fixed, "best_fixed_k": best_k,
                        "calibrated_stop": {f"{th}/{cap}": v for (th, cap), v in stops.items()},
-                       "oracle": oracles, "draft_cost": draft_cost, "verify_cost": verify_cost}, f, indent=1)
+                       "oracle": oracles, "tree": trees, "draft_cost": draft_cost, "verify_cost": verify_cost}, f, indent=1)
 
 
 if __name__ == "__main__":

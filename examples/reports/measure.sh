@@ -14,6 +14,14 @@ echo "best fixed: $BEST" >> $R/tune.txt
 cascade ab --topology topologies/4level.yaml --a "$BEST" --b auto --prompts examples/prompts/heldout.jsonl \
     --max-new-tokens 96 --repeats 2 --out $R/ab-auto-vs-best-fixed --no-progress 2>&1 | grep -v "Loading weights" > $R/ab.txt
 date
+# the fixed policy on the hierarchy itself: its default path (the chain), lookahead tuned per edge
+cascade tune --topology topologies/4level.yaml --prompts examples/prompts/tuning.jsonl --num-prompts 12 \
+    --max-new-tokens 64 --passes 2 --out $R/tune-chain.json 2>&1 | grep -v "Loading weights" | tail -5 > $R/tune-chain.txt
+CHAIN=$(python -c "import json; print(json.load(open('$R/tune-chain.json'))['policy'])")
+echo "best fixed on the chain: $CHAIN" >> $R/tune-chain.txt
+cascade ab --topology topologies/4level.yaml --a "$CHAIN" --b auto --prompts examples/prompts/heldout.jsonl \
+    --max-new-tokens 96 --repeats 2 --out $R/ab-auto-vs-chain-fixed --no-progress 2>&1 | grep -v "Loading weights" > $R/ab-chain.txt
+date
 cascade bench --topology topologies/4level.yaml --prompts examples/prompts/heldout.jsonl --num-prompts 12 \
     --max-new-tokens 96 --out $R/bench --no-progress 2>&1 | grep -v "Loading weights" > $R/bench.txt
 date
