@@ -77,56 +77,56 @@ def pass_costs(drafter, verifier, tok, prompt):
 BINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
-def simulate(rows, draft_cost, verify_cost, rule, cap):
-    """Tokens per second of a rule: ``rule(j, prob, survival_state)`` -> (stop, state)."""
+def _rate(rows, step):
+    """Tokens per second over the texts, one ``step(text, t) -> (seconds, tokens)`` at a time."""
     seconds = tokens = 0.0
     for text in rows:
-        t, n = 0, len(text)
-        while t < n:
-            k, accepted, state = 0, None, None
-            while k < cap and t + k < n - 1:
-                prob, match, _ = text[t + k]
-                k += 1
-                if accepted is None and not match:
-                    accepted = k - 1
-                stop, state = rule(k - 1, prob, state)
-                if stop:
-                    break
-            accepted = k if accepted is None else accepted
-            seconds += k * draft_cost + verify_cost[min(k + 1, max(verify_cost))]
-            tokens += accepted + 1
-            t += accepted + 1
+        t = 0
+        while t < len(text):
+            spent, got = step(text, t)
+            seconds, tokens, t = seconds + spent, tokens + got, t + got
     return tokens / seconds
+
+
+def simulate(rows, draft_cost, verify_cost, rule, cap):
+    """Tokens per second of a rule: ``rule(j, prob, survival_state)`` -> (stop, state)."""
+    def step(text, t):
+        k, accepted, state = 0, None, None
+        while k < cap and t + k < len(text) - 1:
+            prob, match, _ = text[t + k]
+            k += 1
+            if accepted is None and not match:
+                accepted = k - 1
+            stop, state = rule(k - 1, prob, state)
+            if stop:
+                break
+        accepted = k if accepted is None else accepted
+        return k * draft_cost + verify_cost[min(k + 1, max(verify_cost))], accepted + 1
+    return _rate(rows, step)
+
+
+def _accepted_run(text, t, cap):
+    """How many of the drafter's greedy tokens from position t the verifier accepts (at most cap)."""
+    run = 0
+    while run < cap and t + run < len(text) - 1 and text[t + run][1]:
+        run += 1
+    return run
 
 
 def oracle(rows, draft_cost, verify_cost, cap):
-    seconds = tokens = 0.0
-    for text in rows:
-        t, n = 0, len(text)
-        while t < n:
-            run = 0
-            while run < cap and t + run < n - 1 and text[t + run][1]:
-                run += 1
-            seconds += run * draft_cost + verify_cost[min(run + 1, max(verify_cost))]
-            tokens += run + 1
-            t += run + 1
-    return tokens / seconds
+    def step(text, t):
+        run = _accepted_run(text, t, cap)
+        return run * draft_cost + verify_cost[min(run + 1, max(verify_cost))], run + 1
+    return _rate(rows, step)
 
 
 def leaves(rows, draft_cost, verify_cost, k):
     """k drafts and a second-choice leaf at each of their positions, verified in one pass."""
-    seconds = tokens = 0.0
-    for text in rows:
-        t, n = 0, len(text)
-        while t < n:
-            run = 0
-            while run < k and t + run < n - 1 and text[t + run][1]:
-                run += 1
-            leaf = int(run < k and t + run < n - 1 and text[t + run][2])
-            seconds += k * draft_cost + verify_cost[min(2 * k + 1, max(verify_cost))]
-            tokens += run + 1 + leaf
-            t += run + 1 + leaf
-    return tokens / seconds
+    def step(text, t):
+        run = _accepted_run(text, t, k)
+        leaf = int(run < k and t + run < len(text) - 1 and text[t + run][2])
+        return k * draft_cost + verify_cost[min(2 * k + 1, max(verify_cost))], run + 1 + leaf
+    return _rate(rows, step)
 
 
 def calibration(rows):
