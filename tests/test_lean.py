@@ -132,4 +132,7 @@ def test_models_it_does_not_know_exactly_keep_the_transformers_forward():
     assert lean_forward(make("mistral", sliding_window=None)) is not None
     assert lean_forward(make("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)) is None
     assert lean_forward(make("qwen3")) is not None
+    swapped = make("qwen3")  # a module replaced by another kind: not the architecture any more
+    swapped.model.layers[1].self_attn.k_norm = torch.nn.LayerNorm(8)
+    assert lean_forward(swapped) is None
     assert lean_forward(make("qwen3").to(torch.float64).train()) is None

@@ -157,6 +157,8 @@ def _supported(model):
         or type(layer.mlp) is not cls("MLP")
         or type(layer.input_layernorm) is not norm
         or type(layer.post_attention_layernorm) is not norm
+        or any(type(getattr(layer.self_attn, name, norm)) is not norm for name in ("q_norm", "k_norm"))
+        or hasattr(layer.self_attn, "q_norm") != hasattr(layer.self_attn, "k_norm")
         for layer in decoder
     ):
         return None
