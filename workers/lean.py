@@ -121,6 +121,11 @@ def _head_norms(attn) -> tuple | None:
     return None if q_norm is None else (_norm(q_norm), _norm(k_norm))
 
 
+def _head_norm_types(attn) -> tuple:
+    """The types of the attention's per-head query/key norms (Qwen3); () when it has none."""
+    return tuple(type(getattr(attn, name)) for name in ("q_norm", "k_norm") if hasattr(attn, name))
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm.forward, op for op (statistics in float32, scaled back in the input dtype)."""
     dtype = x.dtype
@@ -157,8 +162,7 @@ def _supported(model):
         or type(layer.mlp) is not cls("MLP")
         or type(layer.input_layernorm) is not norm
         or type(layer.post_attention_layernorm) is not norm
-        or any(type(getattr(layer.self_attn, name, norm)) is not norm for name in ("q_norm", "k_norm"))
-        or hasattr(layer.self_attn, "q_norm") != hasattr(layer.self_attn, "k_norm")
+        or _head_norm_types(layer.self_attn) not in ((), (norm, norm))
         for layer in decoder
     ):
         return None
