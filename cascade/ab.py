@@ -262,7 +262,7 @@ def _plots(out: Path, s: Summary, runs: list[Run]) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("ab", help="compare two policies on the same prompts (A/B)",
                        description="Run two policies on the same prompts and seeds, interleaved in random order "
-                                   "after a warm-up; report the tokens/s ratio B/A with a paired bootstrap 95%% CI "
+                                   "after a warm-up; report the tokens/s ratio B/A with a paired bootstrap 95% CI "
                                    "and a permutation p-value; write ab.json, summary.md and PNG plots to --out.")
     p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY)
     p.add_argument("--a", required=True, help="policy A: NAME[:key=value,...]")
