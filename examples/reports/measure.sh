@@ -22,6 +22,14 @@ echo "best fixed on the chain: $CHAIN" >> $R/tune-chain.txt
 cascade ab --topology topologies/4level.yaml --a "$CHAIN" --b auto --prompts examples/prompts/heldout.jsonl \
     --max-new-tokens 96 --repeats 2 --out $R/ab-auto-vs-chain-fixed --no-progress 2>&1 | grep -v "Loading weights" > $R/ab-chain.txt
 date
+# both A/Bs again under sampling (T = 0.8; the fixed lookaheads as tuned under greedy decoding)
+cascade ab --topology topologies/4level.yaml --a "$CHAIN" --b auto --prompts examples/prompts/heldout.jsonl \
+    --max-new-tokens 96 --repeats 2 --temperature 0.8 --out $R/ab-auto-vs-chain-fixed-t08 --no-progress 2>&1 \
+    | grep -v "Loading weights" > $R/ab-chain-t08.txt
+cascade ab --topology topologies/4level.yaml --a "$BEST" --b auto --prompts examples/prompts/heldout.jsonl \
+    --max-new-tokens 96 --repeats 2 --temperature 0.8 --out $R/ab-auto-vs-best-fixed-t08 --no-progress 2>&1 \
+    | grep -v "Loading weights" > $R/ab-t08.txt
+date
 cascade bench --topology topologies/4level.yaml --prompts examples/prompts/heldout.jsonl --num-prompts 12 \
     --max-new-tokens 96 --out $R/bench --no-progress 2>&1 | grep -v "Loading weights" > $R/bench.txt
 date
