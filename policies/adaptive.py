@@ -179,7 +179,10 @@ class EscalationPolicy(CostAwarePolicy):
     rounds at the start, then one round of the contenders every ``probe_every`` steps (a step
     of a batch of B counting 1/B: a probe of a large batch is dear and teaches a lot) — keep
     every edge's estimates sampled across the run: acceptance swings several-fold between
-    texts, so estimates of paths measured at different times would not compare. The current
+    texts, so estimates of paths measured at different times would not compare. A round that
+    leaves the choice unchanged doubles the interval to the next, up to ``probe_backoff`` x
+    ``probe_every`` (on the bundled 4-level topology a round is eight steps, most of them on
+    slower paths); a change of path brings it back to ``probe_every``. The current
     path is kept unless another is priced ``switch_margin`` cheaper. A path that drafts is
     taken only if it is priced ``draft_margin`` cheaper than the authority decoding alone: a
     speculative step has costs the price leaves out (the engine's work per drafted token, the
@@ -201,7 +204,7 @@ class EscalationPolicy(CostAwarePolicy):
     def __init__(self, max_lookahead: int = 8, explore: float = 0.05, prior: float = 0.7, decay: float = 0.98,
                  confident: float | None = None, seed: int = 0, verify_budget: int | None = None, warmup: int = 2,
                  switch_margin: float = 0.05, probe_every: int = 128, pool_weight: float = 20.0,
-                 draft_margin: float = 0.1):
+                 draft_margin: float = 0.1, probe_backoff: int = 8):
         super().__init__(max_lookahead, explore, prior, decay, seed, verify_budget=verify_budget)
         self.draft_margin = _check_unit("draft_margin", draft_margin)
         self.confident = None if confident is None else _check_unit("confident", confident)
@@ -212,6 +215,12 @@ class EscalationPolicy(CostAwarePolicy):
         if isinstance(probe_every, bool) or not isinstance(probe_every, int) or probe_every < 1:
             raise PolicyError(f"probe_every: expected an integer >= 1, got {probe_every!r}")
         self.probe_every = probe_every
+        if isinstance(probe_backoff, bool) or not isinstance(probe_backoff, int) or probe_backoff < 1:
+            raise PolicyError(f"probe_backoff: expected an integer >= 1, got {probe_backoff!r}")
+        self.probe_backoff = probe_backoff
+        self._interval = float(probe_every)  # steps between probe rounds, now
+        self._before_round: tuple[str, ...] | None = None  # the exploited path when a round began
+        self._judge_round = False  # the next exploit choice tells whether the last round changed it
         self._current: dict[frozenset[str], tuple[str, ...]] = {}
         self._plans = self._rounds = 0
         self._since_probe = 0.0
@@ -250,13 +259,15 @@ class EscalationPolicy(CostAwarePolicy):
         # proportion to the batch: so probes come every ``probe_every`` steps of one sequence
         # (a step of a batch of B counts 1/B).
         self._since_probe += 1.0 / max(1, ctx.batch_size)
-        if not self._probes and (self._plans <= self.warmup * len(candidates) or self._since_probe >= self.probe_every):
+        if not self._probes and (self._plans <= self.warmup * len(candidates) or self._since_probe >= self._interval):
             self._since_probe = 0.0
             self._probes = self._probe_round(priced)
+            self._before_round = self._current.get(ctx.available)
         if self._probes:
             path = self._probes.pop()
             if not self._probes:  # the round's last probe: price afresh with what the round taught
                 self._prices.clear()
+                self._judge_round = True
             return path, {n: max(1, k) for n, k in priced[path][1].items()}, "probe"
         drafting = [p for p in candidates if len(p) > 1]
         if drafting and self._exploring():
@@ -270,6 +281,14 @@ class EscalationPolicy(CostAwarePolicy):
         if current in score and score[path] > (1 - self.switch_margin) * score[current]:
             path = current
         self._current[ctx.available] = path
+        # Back off: a probe round that leaves the choice as it was doubles the interval to the
+        # next (up to probe_backoff x probe_every); a changed choice means the text has moved,
+        # and probing returns to every probe_every steps.
+        if path != current or (self._judge_round and path != self._before_round):
+            self._interval = float(self.probe_every)
+        elif self._judge_round:
+            self._interval = min(2 * self._interval, float(self.probe_every * self.probe_backoff))
+        self._judge_round = False
         return path, priced[path][1], "exploit"
 
     def _priced(self, key: tuple, price):
@@ -326,9 +345,9 @@ class AutoPolicy(EscalationPolicy):
                  confident: float | None = None, stop: bool = True, stop_threshold: float | None = None,
                  seed: int = 0, verify_budget: int | None = None, warmup: int = 2, switch_margin: float = 0.05,
                  probe_every: int = 128, pool_weight: float = 20.0, price_lookahead: int = 12,
-                 draft_margin: float = 0.1):
+                 draft_margin: float = 0.1, probe_backoff: int = 8):
         super().__init__(max_lookahead, explore, prior, decay, confident, seed, verify_budget, warmup, switch_margin,
-                         probe_every, pool_weight, draft_margin)
+                         probe_every, pool_weight, draft_margin, probe_backoff)
         if not isinstance(stop, bool):
             raise PolicyError(f"stop: expected true or false, got {stop!r}")
         self.stop = stop

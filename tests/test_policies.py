@@ -364,3 +364,29 @@ def test_registry_and_spec_parsing():
         make_policy("fixed", {"nonsense": 1})
     with pytest.raises(PolicyError, match="name: unknown policy"):
         make_policy("nope")
+
+
+def test_escalation_backs_off_its_probes_while_the_choice_holds():
+    """Probe rounds cost steps on slower paths: a round that leaves the chosen path as it was
+    doubles the interval to the next (up to probe_backoff x probe_every); a change of path
+    brings it back to probe_every."""
+    policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=4, probe_backoff=4, pool_weight=0), DAG)
+    seconds = {"tiny": 0.001, "small": 0.008, "large": 0.010}
+    teach(policy, ("tiny", "large"), [("tiny", "large", 4, 4)], seconds)
+    teach(policy, ("tiny", "small", "large"), [("tiny", "small", 4, 2), ("small", "large", 4, 2)], seconds)
+
+    def round_starts(plans):
+        kinds = [policy._choose(ctx(DAG), 8)[2] for _ in range(plans)]
+        return [i for i, k in enumerate(kinds) if k == "probe" and (i == 0 or kinds[i - 1] != "probe")]
+
+    starts = round_starts(80)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps == [8, 16, 16, 16, 16], starts  # 4, then doubled per unchanged round, capped at 4 x 4
+    assert policy._current[frozenset(DAG.nodes)] == ("tiny", "large")
+    teach(policy, ("tiny", "large"), [("tiny", "large", 4, 0)], seconds, rounds=200)  # the text changes
+    starts = round_starts(40)
+    assert policy._current[frozenset(DAG.nodes)] != ("tiny", "large")
+    # the switch brought the interval back to 4: a round at once, then 8, 16 again (not 16, 16)
+    assert [b - a for a, b in zip(starts, starts[1:])] == [8, 16], starts
+    with pytest.raises(PolicyError, match="probe_backoff"):
+        EscalationPolicy(probe_backoff=0)
