@@ -203,10 +203,10 @@ def main_path(stats) -> tuple[str, ...]:
     """The path a configuration's steps mostly took (a ``RequestStats``): from the authority down,
     the proposer of each level's most verified blocks. A policy that chooses paths (``auto``)
     probes the others now and then, too briefly for their measurements to predict anything."""
+    edges = [(*key.split("->"), e.blocks) for key, e in stats.edges.items() if e.blocks]
     path = [stats.authority]
     while True:
-        blocks = {key.split("->")[0]: e.blocks for key, e in stats.edges.items()
-                  if key.split("->")[1] == path[0] and e.blocks and key.split("->")[0] not in path}
+        blocks = {below: n for below, above, n in edges if above == path[0] and below not in path}
         if not blocks:
             return tuple(path)
         path.insert(0, max(blocks, key=blocks.get))

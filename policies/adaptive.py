@@ -219,7 +219,6 @@ class EscalationPolicy(CostAwarePolicy):
             raise PolicyError(f"probe_backoff: expected an integer >= 1, got {probe_backoff!r}")
         self.probe_backoff = probe_backoff
         self._interval = float(probe_every)  # steps between probe rounds, now
-        self._before_round: tuple[str, ...] | None = None  # the exploited path when a round began
         self._judge_round = False  # the next exploit choice tells whether the last round changed it
         self._current: dict[frozenset[str], tuple[str, ...]] = {}
         self._plans = self._rounds = 0
@@ -262,7 +261,6 @@ class EscalationPolicy(CostAwarePolicy):
         if not self._probes and (self._plans <= self.warmup * len(candidates) or self._since_probe >= self._interval):
             self._since_probe = 0.0
             self._probes = self._probe_round(priced)
-            self._before_round = self._current.get(ctx.available)
         if self._probes:
             path = self._probes.pop()
             if not self._probes:  # the round's last probe: price afresh with what the round taught
@@ -281,10 +279,10 @@ class EscalationPolicy(CostAwarePolicy):
         if current in score and score[path] > (1 - self.switch_margin) * score[current]:
             path = current
         self._current[ctx.available] = path
-        # Back off: a probe round that leaves the choice as it was doubles the interval to the
-        # next (up to probe_backoff x probe_every); a changed choice means the text has moved,
-        # and probing returns to every probe_every steps.
-        if path != current or (self._judge_round and path != self._before_round):
+        # Back off: a probe round that leaves the choice as it was (probes and explores do not
+        # move ``current``) doubles the interval to the next, up to probe_backoff x probe_every;
+        # a changed choice means the text has moved, and probing returns to every probe_every.
+        if path != current:
             self._interval = float(self.probe_every)
         elif self._judge_round:
             self._interval = min(2 * self._interval, float(self.probe_every * self.probe_backoff))

@@ -64,7 +64,7 @@ def lean_forward(model) -> Forward | None:
         _norm(layer.input_layernorm), _linear(layer.self_attn.q_proj), _linear(layer.self_attn.k_proj),
         _linear(layer.self_attn.v_proj), _linear(layer.self_attn.o_proj), _norm(layer.post_attention_layernorm),
         _linear(layer.mlp.gate_proj), _linear(layer.mlp.up_proj), _linear(layer.mlp.down_proj), layer.mlp.act_fn,
-        _head_norms(layer.self_attn),
+        tuple(_norm(m) for m in _head_norms(layer.self_attn)) or None,
     ) for layer in decoder]
     final_norm = _norm(inner.norm)
 
@@ -116,14 +116,9 @@ def _norm(module) -> tuple:
     return module.weight, module.variance_epsilon
 
 
-def _head_norms(attn) -> tuple | None:
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    return None if q_norm is None else (_norm(q_norm), _norm(k_norm))
-
-
-def _head_norm_types(attn) -> tuple:
-    """The types of the attention's per-head query/key norms (Qwen3); () when it has none."""
-    return tuple(type(getattr(attn, name)) for name in ("q_norm", "k_norm") if hasattr(attn, name))
+def _head_norms(attn) -> tuple:
+    """The attention's per-head query and key norms (Qwen3); () when it has none."""
+    return tuple(getattr(attn, name) for name in ("q_norm", "k_norm") if hasattr(attn, name))
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -162,7 +157,7 @@ def _supported(model):
         or type(layer.mlp) is not cls("MLP")
         or type(layer.input_layernorm) is not norm
         or type(layer.post_attention_layernorm) is not norm
-        or _head_norm_types(layer.self_attn) not in ((), (norm, norm))
+        or tuple(map(type, _head_norms(layer.self_attn))) not in ((), (norm, norm))
         for layer in decoder
     ):
         return None
