@@ -8,11 +8,12 @@ from typing import Any, Iterator, Sequence
 
 from pydantic import ValidationError
 
+from cascade.build import Backend, load_tokenizer, resolve_backend
 from cascade.engine import Batch, Engine, Request, RequestState
 from cascade.errors import RequestError, TopologyError, WorkerError
 from cascade.sampling import Sampling
 from cascade.stats import RequestStats
-from cascade.topology import LevelSpec, Topology, has_tokenizer, load_topology
+from cascade.topology import Topology, load_topology
 from policies import Policy, PolicyError, make_policy
 from workers.base import Worker
 
@@ -41,72 +42,6 @@ class Generation:
         }
 
 
-def build_workers(topo: Topology, device: str | None = None) -> dict[str, Worker]:
-    """Instantiate every level's worker in this process."""
-    workers: dict[str, Worker] = {}
-    levels = list(enumerate(topo.spec.levels))
-    # n-gram levels take the authority's vocabulary size: build them last.
-    for i, level in sorted(levels, key=lambda il: il[1].kind == "ngram"):
-        vocab = workers[topo.authority].vocab_size if level.kind == "ngram" else None
-        workers[level.name] = build_worker(level, level_model_path(topo, level), i, topo.source, device, vocab)
-    check_vocab_sizes(topo, {name: w.vocab_size for name, w in workers.items()})
-    return workers
-
-
-def level_model_path(topo: Topology, level: LevelSpec) -> str | None:
-    return topo.model_path(level) if level.kind == "hf" else None
-
-
-def build_worker(
-    level: LevelSpec,
-    model_path: str | None,
-    index: int,
-    source: str,
-    device: str | None = None,
-    vocab_size: int | None = None,
-) -> Worker:
-    """One level's worker, from its spec alone (so that a Ray actor can build it remotely).
-
-    ``model_path`` is the resolved model reference (hf levels); ``vocab_size`` the authority's
-    (n-gram levels); ``index`` and ``source`` only name the level in errors.
-    """
-    if level.kind == "hf":
-        from workers.hf import HFWorker
-
-        try:
-            return HFWorker(model_path, level.dtype, device or level.device, level.trust_remote_code)
-        except OSError as exc:
-            raise TopologyError(f"{source}: levels[{index}].model: cannot load: {exc}") from None
-    if level.kind == "ngram":
-        from workers.ngram import NGramWorker
-
-        return NGramWorker(vocab_size, **level.params)
-    return _custom_worker(source, index, level.kind, level.params)
-
-
-def check_vocab_sizes(topo: Topology, sizes: dict[str, int]) -> None:
-    vocab = sizes[topo.authority]
-    for i, level in enumerate(topo.spec.levels):
-        if sizes[level.name] != vocab:
-            raise TopologyError(
-                f"{topo.source}: levels[{i}]: vocabulary of {sizes[level.name]} rows "
-                f"differs from the authority's {vocab}"
-            )
-
-
-def _custom_worker(source: str, i: int, kind: str, params: dict[str, Any]) -> Worker:
-    from cascade.plugins import load_class
-
-    try:
-        cls = load_class(kind, Worker)
-    except LookupError as exc:
-        raise TopologyError(f"{source}: levels[{i}].kind: {exc}") from None
-    try:
-        return cls(**params)
-    except TypeError as exc:
-        raise TopologyError(f"{source}: levels[{i}].params: {exc}") from None
-
-
 class Cascade:
     """A loaded hierarchy, ready to generate. Use as a context manager or call :meth:`close`."""
 
@@ -115,7 +50,7 @@ class Cascade:
         self.topology = topology
         self.workers = workers
         self.tokenizer = tokenizer
-        self.backend = backend  # e.g. a RayBackend: closed after the workers
+        self.backend: Backend | None = backend  # what the workers run on: closed after them
         spec = topology.spec
         try:
             policy = policy or make_policy(spec.policy.name, spec.policy.params)
@@ -145,20 +80,18 @@ class Cascade:
         ``backend`` and ``ray.address``.
         """
         topo = load_topology(path)
-        backend = backend or topo.spec.backend
-        if backend not in ("local", "ray"):
-            raise RequestError(f"backend: expected 'local' or 'ray', got {backend!r}")
-        pol = _policy_arg(policy, policy_params, topo.source)
-        tokenizer = _load_tokenizer(topo)
-        if backend == "local":
-            return cls(topo, build_workers(topo, device), tokenizer, pol)
-        from cascade.ray_backend import RayBackend
-
-        ray_backend = RayBackend.start(topo, address=address, device=device)
+        name = backend or topo.spec.backend
         try:
-            return cls(topo, ray_backend.workers, tokenizer, pol, backend=ray_backend)
+            backend_cls = resolve_backend(name)
+        except LookupError as exc:
+            raise RequestError(f"backend: {exc}") from None
+        pol = _policy_arg(policy, policy_params, topo.source)
+        tokenizer = load_tokenizer(topo)
+        started = backend_cls.start(topo, address=address, device=device)
+        try:
+            return cls(topo, started.workers, tokenizer, pol, backend=started)
         except BaseException:
-            ray_backend.close()
+            started.close()
             raise
 
     # -- generation ----------------------------------------------------------------------------
@@ -344,25 +277,6 @@ class Cascade:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _load_tokenizer(topo: Topology):
-    from transformers import AutoTokenizer
-
-    spec = topo.spec
-    if spec.tokenizer is not None:
-        path = str((topo.base_dir / spec.tokenizer).resolve())
-    else:
-        auth = spec.level(topo.authority)
-        if auth.kind != "hf":
-            return None
-        path = topo.model_path(auth)
-        if not has_tokenizer(path):
-            return None
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # noqa: BLE001 - report any loader failure as a topology problem
-        raise TopologyError(f"{topo.source}: tokenizer: cannot load from {path}: {exc}") from None
 
 
 def _policy_arg(policy, params: dict[str, Any], where: str) -> Policy | None:

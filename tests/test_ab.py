@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cascade.ab import paired_bootstrap_ci, sign_flip_p_value
+from cascade.tools.ab import paired_bootstrap_ci, sign_flip_p_value
 from cascade.cli import main
 from conftest import family_topology, write_topology
 

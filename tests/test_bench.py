@@ -54,7 +54,7 @@ def test_prediction_follows_the_path_mostly_taken():
     """A configuration whose graph has several paths is predicted on the one its steps mostly took:
     from the authority down, the proposer of each level's most verified blocks; a path probed a
     few times (high, noisy acceptance) does not set the prediction."""
-    from cascade.bench import main_path, predicted_seconds_per_token
+    from cascade.tools.bench import main_path, predicted_seconds_per_token
     from cascade.stats import RequestStats
 
     stats = RequestStats("large")

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from cascade import distill  # noqa: E402
-from cascade.corpus import (  # noqa: E402
+from cascade.train.corpus import (  # noqa: E402
     WindowSampler,
     collect_files,
     encode_corpus,
@@ -123,7 +123,7 @@ def test_distillation_moves_student_towards_teacher(tmp_path, teacher_dir, corpu
             s = torch.log_softmax(model(input_ids=x).logits, -1)
         return torch.nn.functional.kl_div(s, t, log_target=True, reduction="none").sum(-1).mean().item()
 
-    from cascade.family import make_model, parse_size
+    from cascade.train.family import make_model, parse_size
 
     before = kl_to_teacher(make_model(parse_size("1x32x2x64"), tok, seed=1).eval())
     out = tmp_path / "s"
@@ -156,7 +156,7 @@ def test_init_continues_from_an_existing_student(tmp_path, teacher_dir, corpus_d
     assert info["init"] == str(first) and info["init_training"]["steps"] == 6
     assert info["size"]["hidden"] == 32 and info["size"]["layers"] == 1
     # the model card counts both trainings and names both teachers
-    from cascade.family_eval import _teacher_text, _training_total
+    from cascade.train.family_eval import _teacher_text, _training_total
 
     assert _training_total(info, "train_tokens") == 2 * 6 * 2 * 32
     assert _training_total(info, "train_seconds") == info["train_seconds"] + info["init_training"]["train_seconds"]

@@ -88,8 +88,8 @@ def test_tokenizer_round_trips_real_source(tokenizer):
 
 
 def test_heldout_loss_decreases_with_level(models, tokenizer):
-    from cascade.family_eval import heldout_losses, heldout_windows
-    from cascade.heldout import heldout_text
+    from cascade.train.family_eval import heldout_losses, heldout_windows
+    from cascade.train.heldout import heldout_text
 
     windows = heldout_windows(tokenizer, seq_len=256, n=16, text=heldout_text())
     losses = heldout_losses(models, windows)
@@ -109,8 +109,8 @@ def test_generation_is_code_like(models, tokenizer):
 
 
 def test_tiny_drafts_often_match_the_large_model(models, tokenizer):
-    from cascade.family_eval import acceptance_matrix
-    from cascade.heldout import load_prompts
+    from cascade.train.family_eval import acceptance_matrix
+    from cascade.train.heldout import load_prompts
 
     prompts = load_prompts(PROMPTS / "heldout.jsonl")[:4]
     acc = acceptance_matrix({"tiny": models["tiny"], "large": models["large"]}, tokenizer, prompts,
@@ -131,8 +131,8 @@ def test_prompt_sets():
     files = lambda rs: {r["source"].rsplit(":", 1)[0] for r in rs}  # noqa: E731
     assert not files(heldout) & files(tuning)
     # none of it is in the training corpus (the standard library)
-    from cascade.corpus import stdlib_files
-    from cascade.heldout import TUNING_SOURCES, heldout_files, source_files
+    from cascade.train.corpus import stdlib_files
+    from cascade.train.heldout import TUNING_SOURCES, heldout_files, source_files
 
     train = {p.resolve() for p in stdlib_files()}
     held = {p.resolve() for p in heldout_files()} | {p.resolve() for _, _, p in source_files(TUNING_SOURCES)}

@@ -152,7 +152,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cascade.baselines import load_prompts
+    from cascade.tools.baselines import load_prompts
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(args.verifier)

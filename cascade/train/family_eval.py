@@ -6,7 +6,7 @@ run and side by side:
 * size: parameters, MiB of weights on disk, layers/width, training tokens and time
   (from each model's ``training.json``);
 * held-out loss and perplexity (nats/token, float32) on evenly spaced 256-token windows of the
-  held-out code (:mod:`cascade.heldout`: networkx + attrs, never seen in training);
+  held-out code (:mod:`cascade.train.heldout`: networkx + attrs, never seen in training);
 * per-token decode cost: batch 1, float32, KV cache, 64 decode steps after a 32-token prefill,
   models interleaved round-robin so that background load hits all of them alike; the median
   over rounds is reported, with its ratio to the first (smallest) level;
@@ -107,7 +107,7 @@ def spread_windows(data, seq_len: int, n: int):
 def heldout_windows(tokenizer, seq_len: int = 256, n: int = 64, text: str | None = None):
     import torch
 
-    from cascade.heldout import heldout_text
+    from cascade.train.heldout import heldout_text
 
     text = heldout_text() if text is None else text
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -115,7 +115,7 @@ def heldout_windows(tokenizer, seq_len: int = 256, n: int = 64, text: str | None
 
 
 def heldout_losses(models: dict, windows) -> dict:
-    from cascade.distill import eval_loss
+    from cascade.train.distill import eval_loss
 
     return {lv: eval_loss(m, windows) for lv, m in models.items()}
 
@@ -303,7 +303,7 @@ def markdown(results: dict) -> str:
 def run(args) -> int:
     import torch
 
-    from cascade.heldout import load_prompts
+    from cascade.train.heldout import load_prompts
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

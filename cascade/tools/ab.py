@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cascade.commands import DEFAULT_TOPOLOGY, guarded
+from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 
 
 @dataclass
@@ -281,7 +281,7 @@ def add_parser(sub) -> None:
 
 @guarded
 def _main(args) -> int:
-    from cascade.baselines import load_prompts
+    from cascade.tools.baselines import load_prompts
 
     prompts = load_prompts(args.prompts, args.num_prompts)
     t0 = time.perf_counter()

@@ -8,7 +8,7 @@ permissively licensed third-party packages installed in this environment:
   excluded) and ``attrs`` (MIT, the ``attr`` package);
 * ``examples/prompts/tuning.jsonl`` (policy tuning, disjoint files): ``click`` (BSD-3-Clause).
 
-Regenerate the prompt files with ``python -m cascade.heldout`` (deterministic).
+Regenerate the prompt files with ``python -m cascade.train.heldout`` (deterministic).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from cascade.corpus import package_dir
+from cascade.train.corpus import package_dir
 
 HELDOUT_SOURCES = {
     "networkx": ("BSD-3-Clause", ["algorithms/shortest_paths", "algorithms/traversal", "algorithms/flow",

@@ -167,7 +167,7 @@ def train_tokenizer(texts: Sequence[str], out_dir: str | os.PathLike, vocab_size
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(out)
-    from cascade.family import portable_tokenizer_config
+    from cascade.train.family import portable_tokenizer_config
 
     portable_tokenizer_config(out)
     return hf

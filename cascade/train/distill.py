@@ -22,8 +22,8 @@ Every stage checkpoints into ``--work-dir`` (default ``runs/distill``) every
 function of ``--seed`` and the step index, so a resumed run trains on exactly the batches an
 uninterrupted one would.
 
-``cascade model-card`` (registered here too, implemented in :mod:`cascade.family_eval`)
-measures the numbers published in ``examples/models/README.md``.
+``cascade model-card`` (:mod:`cascade.train.family_eval`) measures the numbers published in
+``examples/models/README.md``.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from cascade.family import LEVELS, SIZES
+from cascade.train.family import LEVELS, SIZES
 
 DEFAULT_WORK_DIR = "runs/distill"
 
@@ -152,16 +152,6 @@ def add_parser(sub) -> None:
     run_g.add_argument("--no-progress", action="store_true", help="disable tqdm progress bars")
     p.set_defaults(func=run)
 
-    import importlib
-
-    try:
-        family_eval = importlib.import_module("cascade.family_eval")
-    except ModuleNotFoundError as exc:  # pragma: no cover - module shipped together
-        if exc.name != "cascade.family_eval":
-            raise
-    else:
-        family_eval.add_parser(sub)
-
 
 def run(args) -> int:
     if args.family:
@@ -254,7 +244,7 @@ def load_corpus_tokens(specs, tokenizer, work_dir: Path, tag: str):
     """Token ids of the corpus, cached in work_dir keyed by the file list and tokenizer."""
     import hashlib
 
-    from cascade.corpus import collect_files, encode_corpus, read_texts
+    from cascade.train.corpus import collect_files, encode_corpus, read_texts
 
     files = collect_files(specs)
     vocab_sig = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:12]
@@ -477,7 +467,7 @@ def _resume_mode(args) -> str:
 
 
 def _eval_windows(args, tokenizer, work_dir: Path, max_windows: int = 48):
-    from cascade.corpus import fixed_windows
+    from cascade.train.corpus import fixed_windows
 
     if not args.eval_corpus:
         return None
@@ -492,8 +482,8 @@ def run_single(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cascade.corpus import WindowSampler, collect_files, load_tokenizer, read_texts, train_tokenizer
-    from cascade.family import count_params, make_model, parse_size, save_model
+    from cascade.train.corpus import WindowSampler, collect_files, load_tokenizer, read_texts, train_tokenizer
+    from cascade.train.family import count_params, make_model, parse_size, save_model
 
     device = _setup_torch(args)
     work_dir = Path(args.work_dir)
@@ -584,10 +574,10 @@ def run_family(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cascade.corpus import WindowSampler, collect_files, load_tokenizer, read_texts, train_tokenizer
-    from cascade.family import count_params, make_model, save_model
+    from cascade.train.corpus import WindowSampler, collect_files, load_tokenizer, read_texts, train_tokenizer
+    from cascade.train.family import count_params, make_model, save_model
 
-    from cascade.family import parse_size
+    from cascade.train.family import parse_size
 
     device = _setup_torch(args)
     work_dir = Path(args.work_dir)

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from cascade.commands import DEFAULT_TOPOLOGY, guarded
+from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 
 
 def measure(c, prompts: list[str], lookahead: dict[str, int], max_new_tokens: int,
@@ -75,7 +75,7 @@ def add_parser(sub) -> None:
 @guarded
 def _main(args) -> int:
     from cascade.api import Cascade
-    from cascade.baselines import load_prompts
+    from cascade.tools.baselines import load_prompts
 
     prompts = load_prompts(args.prompts, args.num_prompts)
     t0 = time.perf_counter()

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from cascade.commands import add_generation_args, guarded
+from cascade.cli.commands import add_generation_args, guarded
 
 
 def add_parser(sub) -> None:
@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
 @guarded
 def run(args) -> int:
     from cascade.api import Cascade
-    from cascade.baselines import load_prompts
+    from cascade.tools.baselines import load_prompts
     from cascade.errors import WorkerError
     from policies import make_policy, parse_policy_spec
 

@@ -1,7 +1,7 @@
 """Measure what the Ray backend costs: tokens/s over Ray ÷ tokens/s in-process, and payload bytes
 per committed token, on one topology, in one run on this machine.
 
-    python -m cascade.ray_overhead --topology topologies/4level.yaml --prompts examples/prompts/heldout.jsonl
+    python -m cascade.tools.ray_overhead --topology topologies/4level.yaml --prompts examples/prompts/heldout.jsonl
 
 Both backends are loaded side by side and the prompts alternate between them (in-process, then
 Ray, prompt by prompt), so that a noisy machine slows both alike; each backend first runs one
@@ -10,7 +10,7 @@ unmeasured warm-up prompt. The in-process backend gets as many torch threads as 
 Ray starts privately on loopback unless ``--address`` names a cluster.
 
 Without a trained family, ``--random-family DIR --tokenizer PATH`` first writes one with the
-bundled family's shapes (``cascade.family.SIZES``) and a topology for it: ``independent`` drafts
+bundled family's shapes (``cascade.train.family.SIZES``) and a topology for it: ``independent`` drafts
 (random, so they rarely agree: many calls per committed token) or ``truncated`` drafts (the
 authority's first 1/4/7 layers, which agree with it often, as trained drafts do).
 """
@@ -23,7 +23,7 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cascade.ray_overhead", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cascade.tools.ray_overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", "-t", default="topologies/4level.yaml")
     p.add_argument("--prompts", default="examples/prompts/heldout.jsonl")
     p.add_argument("--limit", type=int, default=8, help="prompts to measure")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from cascade.api import Cascade
-    from cascade.baselines import load_prompts
+    from cascade.tools.baselines import load_prompts
 
     torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.limit + 1)
@@ -103,7 +103,7 @@ def write_random_family(root: str, tokenizer_path: str, drafts: str):
     import yaml
     from transformers import AutoTokenizer
 
-    from cascade.family import LEVELS, SIZES, make_model, save_model
+    from cascade.train.family import LEVELS, SIZES, make_model, save_model
 
     root_dir = Path(root)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)

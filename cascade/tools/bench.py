@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from cascade.commands import DEFAULT_TOPOLOGY, guarded
+from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 
 
 @dataclass
@@ -104,7 +104,7 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
     import torch
 
     from cascade.api import Cascade
-    from cascade.baselines import plain_generate
+    from cascade.tools.baselines import plain_generate
     from cascade.topology import topology_from_dict
     from policies import make_policy, parse_policy_spec
 
@@ -217,7 +217,7 @@ def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repe
               progress: bool = True, seed: int = 0) -> tuple[list[ConfigReport], list[Sample]]:
     from tqdm import tqdm
 
-    from cascade.api import _load_tokenizer, build_workers
+    from cascade.build import build_workers, load_tokenizer
     from cascade.topology import load_topology, topology_from_dict
 
     topo = load_topology(topology)
@@ -229,7 +229,7 @@ def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repe
         data["policy"] = {"name": "fixed", "params": {}}
         topo = topology_from_dict(data, topo.source, topo.base_dir, check_models=False)
     workers = build_workers(topo)
-    tokenizer = _load_tokenizer(topo)
+    tokenizer = load_tokenizer(topo)
     configs = build_configs(topo, workers, tokenizer, prompt_lookup)
     if only:
         configs = [c for c in configs if c.name == "plain" or any(o in c.name for o in only)]
@@ -524,7 +524,7 @@ def add_parser(sub) -> None:
 
 @guarded
 def _main(args) -> int:
-    from cascade.baselines import load_prompts
+    from cascade.tools.baselines import load_prompts
 
     prompts = load_prompts(args.prompts, args.num_prompts)
     t0 = time.perf_counter()

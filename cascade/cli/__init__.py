@@ -12,13 +12,15 @@ import importlib
 import sys
 
 _COMMAND_MODULES = (
-    "cascade.commands",
-    "cascade.demo",
-    "cascade.ab",
-    "cascade.tune",
-    "cascade.bench",
-    "cascade.distill",
-    "cascade.run",
+    "cascade.cli.commands",
+    "cascade.tools.demo",
+    "cascade.tools.ab",
+    "cascade.tools.tune",
+    "cascade.tools.bench",
+    "cascade.train.distill",
+    "cascade.train.family_eval",
+    "cascade.tools.run",
+    "cascade.serve.cli",
 )
 
 
@@ -33,9 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name != name:
+            if exc.name not in (name, name.rpartition(".")[0]):
                 raise
-            continue
+            continue  # an optional part not installed (or not written yet)
         module.add_parser(sub)
     return parser
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from cascade.commands import DEFAULT_TOPOLOGY, guarded
+from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 
 DEFAULT_PROMPTS = "examples/prompts/heldout.jsonl"
 
@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
 
     from cascade.api import Cascade
-    from cascade.baselines import load_prompts, plain_generate
+    from cascade.tools.baselines import load_prompts, plain_generate
     from cascade.stats import RequestStats
     from policies import make_policy, parse_policy_spec
 

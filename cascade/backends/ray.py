@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
+from cascade.build import Backend
 from cascade.errors import TopologyError, WorkerError
 from cascade.sampling import Sampling
 from cascade.topology import LevelSpec, Topology
@@ -153,7 +154,7 @@ class LevelActor:
     """One level's worker inside a Ray actor. Plain class: ``ray.remote`` is applied at creation."""
 
     def __init__(self, build: LevelBuild, num_threads: int = 1):
-        from cascade.api import build_worker
+        from cascade.build import build_worker
 
         torch.set_num_threads(max(1, num_threads))
         self.build = build
@@ -388,7 +389,7 @@ def plan_bundles(levels: Sequence[LevelSpec]) -> tuple[list[dict[str, float]], l
 
 
 @dataclass
-class RayBackend:
+class RayBackend(Backend):
     """The actors of one :class:`~cascade.api.Cascade`, their placement group and, if cascade
     started Ray itself, that runtime. :meth:`close` removes exactly what it created."""
 
@@ -423,7 +424,7 @@ class RayBackend:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from cascade.api import build_worker, check_vocab_sizes, level_model_path
+        from cascade.build import build_worker, check_vocab_sizes, level_model_path
 
         spec = topo.spec.ray
         everything = list(enumerate(topo.spec.levels))
