@@ -312,6 +312,11 @@ class Batch:
         self._available: dict[str, set[str]] = {}
 
     def add(self, state: RequestState) -> RequestState:
+        if state.seq_id in self._limits:
+            raise RequestError("state: this request is already in the batch (added twice)")
+        if state.finish_reason is not None:
+            raise RequestError(f"state: this request has already finished ({state.finish_reason!r}); "
+                               "make a new one with Cascade.request")
         request = state.request
         limit = request.max_new_tokens
         if self.engine.context_length is not None:
