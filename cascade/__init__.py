@@ -13,6 +13,7 @@ _EXPORTS = {
     "Cascade": "cascade.api",
     "Generation": "cascade.api",
     "CascadeError": "cascade.errors",
+    "ClosedError": "cascade.errors",
     "RequestError": "cascade.errors",
     "TopologyError": "cascade.errors",
     "WorkerError": "cascade.errors",

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -10,10 +12,11 @@ from pydantic import ValidationError
 
 from cascade.build import Backend, load_tokenizer, resolve_backend
 from cascade.engine import Batch, Engine, Request, RequestState
-from cascade.errors import RequestError, TopologyError, WorkerError
+from cascade.errors import ClosedError, RequestError, TopologyError, WorkerError
 from cascade.sampling import Sampling
 from cascade.stats import RequestStats
-from cascade.topology import Topology, load_topology
+from cascade.topology import DEVICE_PATTERN, Topology, load_topology
+from cascade.validation import GenerationParams, check_token_ids, generation_params, normalize_prompt, normalize_prompts
 from policies import Policy, PolicyError, make_policy
 from workers.base import Worker
 
@@ -43,7 +46,14 @@ class Generation:
 
 
 class Cascade:
-    """A loaded hierarchy, ready to generate. Use as a context manager or call :meth:`close`."""
+    """A loaded hierarchy, ready to generate. Use as a context manager or call :meth:`close`.
+
+    Every argument is validated before anything runs (:mod:`cascade.validation`): a bad value is
+    one :class:`RequestError` naming the parameter. A Cascade may be shared by threads: its calls
+    are serialised by one lock (``generate`` holds it to the end; ``stream`` and a :meth:`batch`'s
+    ``add``/``step`` take it per step), so concurrent calls wait, and each gets the tokens it would
+    get alone. After :meth:`close`, calls raise :class:`ClosedError`.
+    """
 
     def __init__(self, topology: Topology, workers: dict[str, Worker], tokenizer=None, policy: Policy | None = None,
                  backend=None):
@@ -51,6 +61,8 @@ class Cascade:
         self.workers = workers
         self.tokenizer = tokenizer
         self.backend: Backend | None = backend  # what the workers run on: closed after them
+        self._lock = threading.RLock()  # serialises generation: workers and policies are not thread-safe
+        self._closed = False
         spec = topology.spec
         try:
             policy = policy or make_policy(spec.policy.name, spec.policy.params)
@@ -79,6 +91,8 @@ class Cascade:
         ``backend`` ("local" or "ray") and ``address`` (Ray only) override the file's
         ``backend`` and ``ray.address``.
         """
+        if device is not None and (not isinstance(device, str) or not re.fullmatch(DEVICE_PATTERN, device)):
+            raise RequestError(f"device: must be auto, cpu or cuda:N (got {device!r})")
         topo = load_topology(path)
         name = backend or topo.spec.backend
         try:
@@ -114,33 +128,25 @@ class Cascade:
         topology's ``sampling``. With several prompts and a seed, prompt ``i`` uses ``seed + i``.
         ``batch_size > 1`` runs up to that many prompts together (continuous batching: each
         level's forward pass covers all of them, and a finished prompt's place goes to the next).
+        Every prompt is checked before any runs. If the authority fails, the :class:`WorkerError`
+        carries ``partial``: the result so far (one prompt) or a result per prompt (a list:
+        finished ones, ``finish_reason="error"`` for those in flight, ``"cancelled"`` for the rest).
         """
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
-        )
-        batch = [prompts] if single else list(prompts)
-        if not batch:
-            raise RequestError("prompts: empty list")
+        params = generation_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, seed=seed, stop=stop, batch_size=batch_size)
+        single, batch = normalize_prompts(prompts)
         pol = _policy_arg(policy, {}, "generate")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise RequestError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
-        if batch_size > 1 and len(batch) > 1:
-            results = self._generate_batched(batch, max_new_tokens, temperature, top_k, top_p, seed, stop, pol,
-                                             batch_size)
-            return results[0] if single else results
-        results = []
-        for i, prompt in enumerate(batch):
-            state = self._start(prompt, max_new_tokens, temperature, top_k, top_p,
-                                None if seed is None else seed + i)
-            try:
-                for _ in self._run(state, stop, pol):
-                    pass
-            except WorkerError as exc:
-                # The authority is down: hand back what it had committed, as a result.
-                state.finish_reason = "error"
-                exc.partial = self._result(prompt, state, stop)
-                raise
-            results.append(self._result(prompt, state, stop))
+        with self._lock:
+            self._check_open()
+            states = [self._start(p, params, None if params.seed is None else params.seed + i,
+                                  "prompts" if single else f"prompts[{i}]")
+                      for i, p in enumerate(batch)]
+            if params.stop:
+                self._need_tokenizer()
+            if params.batch_size > 1 and len(batch) > 1:
+                results = self._generate_batched(batch, states, params, pol)
+            else:
+                results = self._generate_each(batch, states, params, pol, single)
         return results[0] if single else results
 
     def stream(
@@ -155,17 +161,35 @@ class Cascade:
         policy: str | Policy | None = None,
     ) -> Iterator[str]:
         """Yield the text as it is committed. Text that could still become a stop string, or an
-        incomplete UTF-8 character, is held back until it is settled."""
-        self._need_tokenizer()
-        state = self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed)
-        stops = _stop_list(stop)
+        incomplete UTF-8 character, is held back until it is settled. The arguments are checked
+        here, before the first chunk is asked for."""
+        params = generation_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, seed=seed, stop=stop)
+        prompt = normalize_prompt(prompt, "prompt")
+        pol = _policy_arg(policy, {}, "stream")
+        with self._lock:
+            self._check_open()
+            self._need_tokenizer()
+            state = self._start(prompt, params, params.seed, "prompt")
+        return self._stream(state, list(params.stop or ()), pol)
+
+    def _stream(self, state: RequestState, stops: list[str], policy: Policy | None) -> Iterator[str]:
+        steps = self._run(state, stops, policy)
         sent = 0
-        for _ in self._run(state, stops, _policy_arg(policy, {}, "stream")):
-            text = self._text(state.generated, stops)
-            safe = len(text) if state.finish_reason else _settled(text, stops)
-            if safe > sent:
-                yield text[sent:safe]
-                sent = safe
+        try:
+            while True:
+                with self._lock:  # one step at a time: other threads' calls interleave between steps
+                    self._check_open()
+                    if next(steps, None) is None:
+                        break
+                text = self._text(state.generated, stops)
+                safe = len(text) if state.finish_reason else _settled(text, stops)
+                if safe > sent:
+                    yield text[sent:safe]
+                    sent = safe
+        finally:
+            with self._lock:
+                steps.close()  # releases the request's caches
         text = self._text(state.generated, stops)
         if len(text) > sent:
             yield text[sent:]
@@ -173,61 +197,104 @@ class Cascade:
     def request(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float | None = None,
                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> RequestState:
         """A validated request, ready to join a :meth:`batch` (``batch.add(state)``)."""
-        return self._start(prompt, max_new_tokens, temperature, top_k, top_p, seed)
+        params = generation_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, seed=seed)
+        prompt = normalize_prompt(prompt, "prompt")
+        with self._lock:
+            self._check_open()
+            return self._start(prompt, params, params.seed, "prompt")
 
     def batch(self, policy: str | Policy | None = None) -> Batch:
         """A continuous batch: ``add`` requests from :meth:`request` whenever you like, call
         ``step()`` to advance all of them by one speculative step (it returns what each
         committed); finished requests leave by themselves. :meth:`result` turns a finished
-        request into a :class:`Generation`."""
-        return Batch(self.engine, _policy_arg(policy, {}, "batch"))
+        request into a :class:`Generation`. Its ``add``, ``step`` and ``close`` take this
+        Cascade's lock."""
+        pol = _policy_arg(policy, {}, "batch")
+        with self._lock:
+            self._check_open()
+            return _SerialBatch(self, pol)
 
     def result(self, state: RequestState, prompt: Prompt | None = None) -> Generation:
+        """The :class:`Generation` of a finished request (one that has left its batch)."""
+        if not isinstance(state, RequestState):
+            raise RequestError(f"state: expected a RequestState from Cascade.request (got {type(state).__name__})")
+        if state.finish_reason is None:
+            raise RequestError("state: the request has not finished: it never ran or is still in a batch "
+                               f"(got {len(state.generated)} tokens so far); step its batch until it leaves")
         return self._result(prompt if prompt is not None else state.request.prompt_ids, state, None)
 
-    def _generate_batched(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, policy,
-                          batch_size) -> list[Generation]:
-        states = [self._start(p, max_new_tokens, temperature, top_k, top_p, None if seed is None else seed + i)
-                  for i, p in enumerate(prompts)]
-        stops = _stop_list(stop)
-        if stops:
-            self._need_tokenizer()
+    def _generate_each(self, prompts, states, params: GenerationParams, policy, single: bool) -> list[Generation]:
+        results: list[Generation] = []
+        for prompt, state in zip(prompts, states):
+            try:
+                for _ in self._run(state, params.stop, policy):
+                    pass
+            except WorkerError as exc:
+                # The authority is down: hand back what was committed, as results.
+                state.finish_reason = "error"
+                for later in states[len(results) + 1:]:
+                    later.finish_reason = "cancelled"
+                done = [self._result(p, s, params.stop) for p, s in zip(prompts, states)]
+                exc.partial = done[0] if single else done
+                raise
+            results.append(self._result(prompt, state, params.stop))
+        return results
+
+    def _generate_batched(self, prompts, states, params: GenerationParams, policy) -> list[Generation]:
+        stops = list(params.stop or ())
         batch = Batch(self.engine, policy)
         waiting = list(states)
         try:
             while waiting or batch.active:
-                while waiting and len(batch.active) < batch_size:
+                while waiting and len(batch.active) < params.batch_size:
                     batch.add(waiting.pop(0))
                 for state, _ in batch.step():
                     if stops and state.finish_reason is None and any(s in self._decode(state.generated) for s in stops):
                         state.finish_reason = "stop"
         except WorkerError as exc:
-            exc.partial = [self._result(p, s, stop) for p, s in zip(prompts, states)]
+            for state in waiting:
+                state.finish_reason = "cancelled"
+            exc.partial = [self._result(p, s, stops) for p, s in zip(prompts, states)]
             raise
         finally:
             batch.close()
-        return [self._result(p, s, stop) for p, s in zip(prompts, states)]
+        return [self._result(p, s, stops) for p, s in zip(prompts, states)]
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _start(self, prompt, max_new_tokens, temperature, top_k, top_p, seed) -> RequestState:
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("cascade: this Cascade is closed; load it again with Cascade.from_topology")
+
+    def _start(self, prompt: str | list[int], params: GenerationParams, seed: int | None, where: str) -> RequestState:
+        """A started (not yet running) request for a normalised prompt; ``where`` names it in errors."""
         defaults = self.topology.spec.sampling
         try:
             sampling = Sampling(
-                temperature=defaults.temperature if temperature is None else temperature,
-                top_k=defaults.top_k if top_k is None else top_k,
-                top_p=defaults.top_p if top_p is None else top_p,
+                temperature=defaults.temperature if params.temperature is None else params.temperature,
+                top_k=defaults.top_k if params.top_k is None else params.top_k,
+                top_p=defaults.top_p if params.top_p is None else params.top_p,
             )
         except ValidationError as exc:
             err = exc.errors()[0]
             raise RequestError(f"{err['loc'][0]}: {err['msg']} (got {err.get('input')!r})") from None
         if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("prompt: empty prompt")
             ids = self._need_tokenizer().encode(prompt, add_special_tokens=False)
+            if not ids:
+                raise RequestError(f"{where}: the text encodes to no tokens (got {prompt!r})")
         else:
-            ids = [int(t) for t in prompt]
-        return self.engine.start(Request(ids, max_new_tokens, sampling, seed))
+            ids = list(prompt)
+        check_token_ids(ids, self._vocab_size(), where)
+        try:
+            return self.engine.start(Request(ids, params.max_new_tokens, sampling, seed))
+        except RequestError as exc:
+            msg = str(exc)
+            raise RequestError(where + msg[len("prompt"):] if msg.startswith("prompt:") else msg) from None
+
+    def _vocab_size(self) -> int | None:
+        worker = self.engine.workers.get(self.topology.authority)
+        return getattr(worker, "vocab_size", None)
 
     def _run(self, state: RequestState, stop, policy: Policy | None) -> Iterator[list[int]]:
         stops = _stop_list(stop)
@@ -265,12 +332,15 @@ class Cascade:
         return self.tokenizer
 
     def close(self) -> None:
-        for w in self.workers.values():
-            w.close()
-        self.workers = {}
-        if self.backend is not None:
-            self.backend.close()
-            self.backend = None
+        """Close the workers and what they run on. Idempotent; later calls raise ClosedError."""
+        with self._lock:
+            self._closed = True
+            for w in self.workers.values():
+                w.close()
+            self.workers = {}
+            if self.backend is not None:
+                self.backend.close()
+                self.backend = None
 
     def __enter__(self) -> "Cascade":
         return self
@@ -308,3 +378,28 @@ def _settled(text: str, stops: list[str]) -> int:
                 end -= k
                 break
     return end
+
+
+class _SerialBatch(Batch):
+    """A :class:`Batch` whose calls take its Cascade's lock, so that a batch stepped in one thread
+    and ``generate`` called in another never run worker calls at the same time."""
+
+    def __init__(self, cascade: Cascade, policy: Policy | None):
+        super().__init__(cascade.engine, policy)
+        self._cascade = cascade
+
+    def add(self, state: RequestState) -> RequestState:
+        if not isinstance(state, RequestState):
+            raise RequestError(f"state: expected a RequestState from Cascade.request (got {type(state).__name__})")
+        with self._cascade._lock:
+            self._cascade._check_open()
+            return super().add(state)
+
+    def step(self) -> list[tuple[RequestState, list[int]]]:
+        with self._cascade._lock:
+            self._cascade._check_open()
+            return super().step()
+
+    def close(self) -> None:
+        with self._cascade._lock:
+            super().close()

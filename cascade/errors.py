@@ -18,6 +18,10 @@ class RequestError(CascadeError, ValueError):
     """A generation request is invalid; the message names the parameter."""
 
 
+class ClosedError(CascadeError, RuntimeError):
+    """A :class:`cascade.Cascade` was used after ``close()``."""
+
+
 class WorkerError(CascadeError, RuntimeError):
     """A worker failed. ``level`` names it (when known); ``partial`` carries what was committed
     before the failure: the engine sets the token ids, :class:`cascade.Cascade` replaces them

@@ -88,11 +88,11 @@ def test_bad_request_parameters(cascade4, kwargs, field):
 
 
 def test_empty_and_too_long_prompts(cascade4):
-    with pytest.raises(RequestError, match="^prompt: empty"):
+    with pytest.raises(RequestError, match="^prompts: empty"):
         cascade4.generate("")
-    with pytest.raises(RequestError, match="^prompt: empty"):
+    with pytest.raises(RequestError, match=r"^prompts\[0\]: empty"):
         cascade4.generate([[]])
-    with pytest.raises(RequestError, match="^prompt: 600 tokens does not fit the authority's context of 512"):
+    with pytest.raises(RequestError, match="^prompts: 600 tokens does not fit the authority's context of 512"):
         cascade4.generate([5] * 600)
 
 
