@@ -20,6 +20,7 @@ from cascade.errors import TopologyError
 from cascade.sampling import Sampling, SamplingOverride
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"  # a level's device, and --device / device= overrides
 
 
 class Resources(BaseModel):
@@ -47,7 +48,7 @@ class LevelSpec(BaseModel):
     dtype: Literal["float32", "float16", "bfloat16", "float64", "auto"] = Field(
         "float32", description="Weights and activations dtype."
     )
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu or cuda:N.")
+    device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto, cpu or cuda:N.")
     trust_remote_code: bool = Field(False, description="Allow the model repo's own code (hf only).")
     resources: Resources = Field(default_factory=Resources, description="Ray resources for this level.")
     sampling: SamplingOverride | None = Field(None, description="Draft-only sampling overrides.")
