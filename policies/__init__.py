@@ -1,16 +1,24 @@
 """Policies: decisions only (path, lookahead, early stop), never acceptance.
 
-Name a policy in a topology (``policy: {name: fixed, params: {lookahead: 4}}``) or per
-``generate`` call, either by a registered name or by a ``"module:Class"`` path.
+Name a policy in a topology (``policy: {name: fixed, params: {lookahead: 4}}``), per
+``generate`` call or on the command line, by a registered name or a ``"module:Class"`` path.
+:func:`from_spec` is the one parser for all of them: a spec string
+(``"fixed:lookahead={tiny: 3}"``), a mapping ``{"name": ..., "params": {...}}``, or a
+:class:`Policy` (passed through). Parameters are validated by each policy's ``Params`` model.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+import re
 from typing import Any
+
+import yaml
 
 from policies.base import (
     DraftStep, EdgeOutcome, PlanContext, Policy, PolicyError, StepFeedback, StepPlan, StopRule,
     draft_step, longest_path,
 )
+from policies.params import PolicyParams
 
 REGISTRY: dict[str, str] = {
     "fixed": "policies.fixed:FixedPolicy",
@@ -35,17 +43,43 @@ def resolve(name: str) -> type[Policy]:
         raise PolicyError(f"name: {exc}") from None
 
 
-def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
+def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
+    """The policy ``name`` (registered, or ``"module:Class"``) built from ``params``."""
     cls = resolve(name)
-    try:
+    if cls.Params is not None:
+        return cls(cls.check_params(params))
+    if params is not None and not isinstance(params, Mapping):
+        raise PolicyError(f"params: expected a mapping of parameters (policy {name!r}), got {params!r}")
+    try:  # a plug-in policy that takes its parameters in its own __init__
         return cls(**(params or {}))
     except TypeError as exc:
-        raise PolicyError(f"params: {exc}") from exc
+        raise PolicyError(f"params: {exc} (policy {name!r})") from exc
+
+
+def from_spec(spec: "str | Mapping[str, Any] | Policy") -> Policy:
+    """A policy from a spec string (``"auto"``, ``"fixed:lookahead={tiny: 3}"``: see
+    :func:`parse_policy_spec`), a mapping ``{"name": ..., "params": {...}}`` (as in a topology
+    file; ``name`` defaults to ``fixed``), or a :class:`Policy`, returned as it is. Raises one
+    :class:`PolicyError` naming the field (``name``, ``params.<field>``) and the policy."""
+    if isinstance(spec, Policy):
+        return spec
+    if isinstance(spec, str):
+        return make_policy(*parse_policy_spec(spec))
+    if isinstance(spec, Mapping):
+        unknown = sorted(str(k) for k in spec if k not in ("name", "params"))
+        if unknown:
+            raise PolicyError(f"{unknown[0]}: unknown field (a policy mapping has 'name' and 'params')")
+        name = spec.get("name", "fixed")
+        if not isinstance(name, str) or not name.strip():
+            raise PolicyError(f"name: expected a policy name, got {name!r}")
+        return make_policy(name.strip(), spec.get("params"))
+    raise PolicyError(f"name: expected a spec string, a mapping {{name, params}} or a Policy, got {spec!r}")
 
 
 __all__ = [
-    "DraftStep", "EdgeOutcome", "PlanContext", "Policy", "PolicyError", "StepFeedback", "StepPlan",
-    "StopRule", "draft_step", "longest_path", "make_policy", "parse_policy_spec", "resolve", "REGISTRY",
+    "DraftStep", "EdgeOutcome", "PlanContext", "Policy", "PolicyError", "PolicyParams", "StepFeedback",
+    "StepPlan", "StopRule", "draft_step", "from_spec", "longest_path", "make_policy", "parse_policy_spec",
+    "resolve", "REGISTRY",
 ]
 
 
@@ -53,12 +87,9 @@ def parse_policy_spec(text: str) -> tuple[str, dict[str, Any]]:
     """``NAME[:key=value,...]`` -> (name, params). NAME may itself be ``module:Class``.
 
     Values are YAML scalars or flow collections: ``fixed:lookahead=3``,
-    ``fixed:lookahead={tiny: 2, small: 4}``, ``mypkg.pol:MyPolicy:threshold=0.3``.
+    ``fixed:lookahead={tiny: 2, small: 4}``, ``mypkg.pol:MyPolicy:threshold=0.3``. YAML aliases
+    are refused (a few characters of them can expand to gigabytes).
     """
-    import yaml
-
-    import re
-
     name, params_text = text, ""
     depth = 0
     for i, ch in enumerate(text):
@@ -73,13 +104,25 @@ def parse_policy_spec(text: str) -> tuple[str, dict[str, Any]]:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise PolicyError(f"params: expected key=value, got {item!r} in {text!r}")
+        if key.strip() in params:
+            raise PolicyError(f"params.{key.strip()}: given twice in {text!r}")
         try:
-            params[key.strip()] = yaml.safe_load(value)
+            params[key.strip()] = yaml.load(value, Loader=_NoAliasLoader)  # a SafeLoader without aliases
         except yaml.YAMLError as exc:
-            raise PolicyError(f"params: cannot parse {key.strip()}={value!r}: {exc}") from None
+            raise PolicyError(f"params.{key.strip()}: cannot parse {value!r}: {exc}") from None
+    name = name.strip()
     if not name:
         raise PolicyError(f"name: empty policy name in {text!r}")
     return name, params
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing aliases."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "aliases are not allowed", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
 
 
 def _split_top_level(text: str) -> list[str]:

@@ -7,25 +7,71 @@ happened in earlier steps; stop rules see only the drafter's own distribution.
 from __future__ import annotations
 
 import random
+from typing import Annotated, Any, Literal
 
 import networkx as nx
+from pydantic import Field, StrictBool
 
-from policies.base import PassCost, PlanContext, Policy, PolicyError, StepFeedback, StepPlan, longest_path
+from policies.base import PassCost, PlanContext, Policy, StepFeedback, StepPlan, longest_path
 from policies.estimates import Calibration, Estimates
 from policies.fixed import check_path
+from policies.params import Float, Int, Lookahead, PathParams, PolicyParams, Unit
 from policies.stops import CalibratedStop, ConfidenceStop, EntropyStop
 
 
-def _check_unit(name: str, value: float, low: float = 0.0, high: float = 1.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise PolicyError(f"{name}: expected a number in [{low}, {high}], got {value!r}")
-    return float(value)
+class ConfidenceParams(PathParams):
+    lookahead: Lookahead = Field(8, description="The most tokens a block drafts (the stop may end it sooner).")
+    threshold: Unit = Field(0.4, description="Stop at a drafter probability below this.")
+    mode: Literal["token", "block"] = Field(
+        "token", description="'token': the drafted token's probability; 'block': the block's running product.")
 
 
-def _check_lookahead(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
-        raise PolicyError(f"{name}: expected an integer in [1, 64], got {value!r}")
-    return value
+class EntropyParams(PathParams):
+    lookahead: Lookahead = Field(8, description="The most tokens a block drafts (the stop may end it sooner).")
+    threshold: Unit = Field(0.4, description="Starting threshold on exp(-entropy); it adapts online.")
+    target: Unit = Field(0.75, description="The accepted share of each block the threshold steers towards.")
+    rate: Unit = Field(0.05, description="How far one block moves the threshold.")
+
+
+class CostParams(PolicyParams):
+    """What the cost-model policies share (cost-aware, escalation, auto)."""
+
+    max_lookahead: Lookahead = Field(8, description="The longest block the cost model may choose.")
+    explore: Unit = Field(0.1, description="Probability of a random choice, decaying with the steps seen.")
+    prior: Unit = Field(0.6, description="Acceptance assumed for an edge before it is measured.")
+    decay: Unit = Field(0.98, description="Per-step decay of the acceptance estimates (1 = never forget).")
+    seed: Int = Field(0, description="Seed of the policy's own random choices (exploration, probe order).")
+    verify_budget: Annotated[Int, Field(ge=1)] | None = Field(
+        None, description="Cap on the tokens one authority pass verifies across the batch (null: none).")
+
+
+class CostAwareParams(CostParams, PathParams):
+    pass
+
+
+class EscalationParams(CostParams):
+    explore: Unit = Field(0.05, description="Probability of a random path, decaying with the steps seen.")
+    prior: Unit = Field(0.7, description="Acceptance assumed for an edge before it is measured.")
+    confident: Unit | None = Field(
+        None, description="Keep acceptance apart for contexts whose drafts were at least this confident (null: off).")
+    warmup: Annotated[Int, Field(ge=0)] = Field(2, description="Probe rounds (every path once) at the start.")
+    switch_margin: Unit = Field(0.05, description="Leave the current path only for one priced this much cheaper.")
+    probe_every: Annotated[Int, Field(ge=1)] = Field(128, description="Steps between probe rounds, at first.")
+    pool_weight: Annotated[Float, Field(ge=0.0, le=1e6)] = Field(
+        20.0, description="Observations' worth of the verifier's pooled acceptance in each edge's estimate.")
+    draft_margin: Unit = Field(0.1, description="A drafting path must be priced this much cheaper than none.")
+    probe_backoff: Annotated[Int, Field(ge=1)] = Field(
+        8, description="Probe interval grows up to this many times probe_every while the choice holds.")
+
+
+class AutoParams(EscalationParams):
+    max_lookahead: Lookahead = Field(32, description="The longest block; the calibrated stop ends most sooner.")
+    explore: Unit = Field(0.0, description="Probability of a random path, decaying with the steps seen.")
+    decay: Unit = Field(0.999, description="Per-step decay of the acceptance estimates (1 = never forget).")
+    stop: StrictBool = Field(True, description="Cut blocks with the calibrated stop (false: cost model alone).")
+    stop_threshold: Unit | None = Field(
+        None, description="Fixed block-survival threshold for the stop (null: derived from the costs).")
+    price_lookahead: Lookahead = Field(12, description="Block length paths are priced with.")
 
 
 class _PathMixin:
@@ -41,7 +87,7 @@ class _PathMixin:
     def bind(self, graph: nx.DiGraph, authority: str) -> None:
         super().bind(graph, authority)
         if self.path_param is not None:
-            check_path(graph, authority, self.path_param)
+            check_path(self, graph, authority, self.path_param)
 
     def _stop_plan(self, ctx: PlanContext, lookahead: int, rule) -> StepPlan:
         """The path, one lookahead for every proposing level, and one stop rule for each."""
@@ -61,14 +107,12 @@ class ConfidencePolicy(_PathMixin, Policy):
     probability (or the block's running product, ``mode: block``) is below ``threshold``."""
 
     name = "confidence"
+    Params = ConfidenceParams
 
-    def __init__(self, lookahead: int = 8, threshold: float = 0.4, mode: str = "token", path: list[str] | None = None):
-        self.lookahead = _check_lookahead("lookahead", lookahead)
-        self.threshold = _check_unit("threshold", threshold)
-        if mode not in ("token", "block"):
-            raise PolicyError(f"mode: expected 'token' or 'block', got {mode!r}")
-        self.mode = mode
-        self._init_path(path)
+    def __init__(self, params: ConfidenceParams | None = None, /, **kwargs: Any):
+        super().__init__(params, **kwargs)
+        self.lookahead, self.threshold, self.mode = self.params.lookahead, self.params.threshold, self.params.mode
+        self._init_path(self.params.path)
 
     def plan(self, ctx: PlanContext) -> StepPlan:
         return self._stop_plan(ctx, self.lookahead, ConfidenceStop(self.threshold, self.mode))
@@ -81,14 +125,13 @@ class EntropyPolicy(_PathMixin, Policy):
     towards ``target``."""
 
     name = "entropy"
+    Params = EntropyParams
 
-    def __init__(self, lookahead: int = 8, threshold: float = 0.4, target: float = 0.75, rate: float = 0.05,
-                 path: list[str] | None = None):
-        self.lookahead = _check_lookahead("lookahead", lookahead)
-        self.threshold = _check_unit("threshold", threshold)
-        self.target = _check_unit("target", target)
-        self.rate = _check_unit("rate", rate)
-        self._init_path(path)
+    def __init__(self, params: EntropyParams | None = None, /, **kwargs: Any):
+        super().__init__(params, **kwargs)
+        p = self.params
+        self.lookahead, self.threshold, self.target, self.rate = p.lookahead, p.threshold, p.target, p.rate
+        self._init_path(p.path)
 
     def plan(self, ctx: PlanContext) -> StepPlan:
         return self._stop_plan(ctx, self.lookahead, EntropyStop(self.threshold))
@@ -106,7 +149,7 @@ class CostAwarePolicy(_PathMixin, Policy):
     From measured acceptance per draft position and the measured cost of each level's passes
     (a fixed cost per pass plus a cost per position scored, fitted from every call: see
     ``LevelCost``), it picks the k that minimises expected seconds per emitted token on each
-    edge (the seed's speedup equation, §9, composed up the hierarchy: see
+    edge (docs/design.md, 'The speedup equation', composed up the hierarchy: see
     ``Estimates.path_cost``), and explores a random k on one edge with probability ``explore``
     (decaying as ``explore * 200 / (200 + steps)``).
 
@@ -118,19 +161,18 @@ class CostAwarePolicy(_PathMixin, Policy):
     """
 
     name = "cost-aware"
+    Params: type[CostParams] = CostAwareParams
 
-    def __init__(self, max_lookahead: int = 8, explore: float = 0.1, prior: float = 0.6, decay: float = 0.98,
-                 seed: int = 0, path: list[str] | None = None, verify_budget: int | None = None):
-        if verify_budget is not None and (isinstance(verify_budget, bool) or not isinstance(verify_budget, int)
-                                          or verify_budget < 1):
-            raise PolicyError(f"verify_budget: expected a positive integer or null, got {verify_budget!r}")
-        self.verify_budget = verify_budget
-        self.max_lookahead = _check_lookahead("max_lookahead", max_lookahead)
-        self.explore = _check_unit("explore", explore)
-        self.estimates = Estimates(prior=_check_unit("prior", prior), decay=_check_unit("decay", decay))
-        self.rng = random.Random(seed)
+    def __init__(self, params: CostParams | None = None, /, **kwargs: Any):
+        super().__init__(params, **kwargs)
+        p = self.params
+        self.verify_budget = p.verify_budget
+        self.max_lookahead = p.max_lookahead
+        self.explore = p.explore
+        self.estimates = Estimates(prior=p.prior, decay=p.decay)
+        self.rng = random.Random(p.seed)
         self.steps = 0
-        self._init_path(path)
+        self._init_path(getattr(p, "path", None))  # escalation and auto choose the path per step
 
     def _exploring(self) -> bool:
         return self.explore > 0 and self.rng.random() < self.explore * 200 / (200 + self.steps)
@@ -200,33 +242,27 @@ class EscalationPolicy(CostAwarePolicy):
     """
 
     name = "escalation"
+    Params = EscalationParams
 
-    def __init__(self, max_lookahead: int = 8, explore: float = 0.05, prior: float = 0.7, decay: float = 0.98,
-                 confident: float | None = None, seed: int = 0, verify_budget: int | None = None, warmup: int = 2,
-                 switch_margin: float = 0.05, probe_every: int = 128, pool_weight: float = 20.0,
-                 draft_margin: float = 0.1, probe_backoff: int = 8):
-        super().__init__(max_lookahead, explore, prior, decay, seed, verify_budget=verify_budget)
-        self.draft_margin = _check_unit("draft_margin", draft_margin)
-        self.confident = None if confident is None else _check_unit("confident", confident)
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise PolicyError(f"warmup: expected an integer >= 0, got {warmup!r}")
-        self.warmup = warmup
-        self.switch_margin = _check_unit("switch_margin", switch_margin)
-        if isinstance(probe_every, bool) or not isinstance(probe_every, int) or probe_every < 1:
-            raise PolicyError(f"probe_every: expected an integer >= 1, got {probe_every!r}")
-        self.probe_every = probe_every
-        if isinstance(probe_backoff, bool) or not isinstance(probe_backoff, int) or probe_backoff < 1:
-            raise PolicyError(f"probe_backoff: expected an integer >= 1, got {probe_backoff!r}")
-        self.probe_backoff = probe_backoff
-        self._interval = float(probe_every)  # steps between probe rounds, now
+    def __init__(self, params: EscalationParams | None = None, /, **kwargs: Any):
+        super().__init__(params, **kwargs)
+        p = self.params
+        self.draft_margin = p.draft_margin
+        self.confident = p.confident
+        self.warmup = p.warmup
+        self.switch_margin = p.switch_margin
+        self.probe_every = p.probe_every
+        self.probe_backoff = p.probe_backoff
+        self._interval = float(p.probe_every)  # steps between probe rounds, now
         self._judge_round = False  # the next exploit choice tells whether the last round changed it
         self._current: dict[frozenset[str], tuple[str, ...]] = {}
         self._plans = self._rounds = 0
         self._since_probe = 0.0
         self._probes: list[tuple[str, ...]] = []  # the rest of the current probe round
         self.contender_margin = 0.25
-        self.estimates.pool_weight = pool_weight = _check_unit("pool_weight", pool_weight, 0.0, 1e6)
-        self.contexts = {True: Estimates(prior=prior, decay=decay, pool_weight=pool_weight), False: self.estimates}
+        self.estimates.pool_weight = p.pool_weight
+        self.contexts = {True: Estimates(prior=p.prior, decay=p.decay, pool_weight=p.pool_weight),
+                         False: self.estimates}
         self._context = False
         self._all_paths: dict[frozenset[str], list[tuple[str, ...]]] = {}
         self.reprice_every = 8
@@ -338,19 +374,13 @@ class AutoPolicy(EscalationPolicy):
     """
 
     name = "auto"
+    Params = AutoParams
 
-    def __init__(self, max_lookahead: int = 32, explore: float = 0.0, prior: float = 0.7, decay: float = 0.999,
-                 confident: float | None = None, stop: bool = True, stop_threshold: float | None = None,
-                 seed: int = 0, verify_budget: int | None = None, warmup: int = 2, switch_margin: float = 0.05,
-                 probe_every: int = 128, pool_weight: float = 20.0, price_lookahead: int = 12,
-                 draft_margin: float = 0.1, probe_backoff: int = 8):
-        super().__init__(max_lookahead, explore, prior, decay, confident, seed, verify_budget, warmup, switch_margin,
-                         probe_every, pool_weight, draft_margin, probe_backoff)
-        if not isinstance(stop, bool):
-            raise PolicyError(f"stop: expected true or false, got {stop!r}")
-        self.stop = stop
-        self.stop_threshold = None if stop_threshold is None else _check_unit("stop_threshold", stop_threshold)
-        self.price_lookahead = _check_lookahead("price_lookahead", price_lookahead)
+    def __init__(self, params: AutoParams | None = None, /, **kwargs: Any):
+        super().__init__(params, **kwargs)
+        self.stop = self.params.stop
+        self.stop_threshold = self.params.stop_threshold
+        self.price_lookahead = self.params.price_lookahead
 
     def plan(self, ctx: PlanContext) -> StepPlan:
         # With the stop, the price only has to rank paths: price with short blocks, the stop and

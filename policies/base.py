@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import networkx as nx
 import torch
+
+from policies.params import PolicyError, PolicyParams, check_params
 
 
 class DraftStep:
@@ -153,20 +156,51 @@ class PassCost:
     catch_up: int = 0
 
 
-class PolicyError(ValueError):
-    """A policy's parameters are invalid for the topology; the message names the parameter."""
-
-
 class Policy(abc.ABC):
     """Decides, per step, the path and lookahead; learns from feedback.
 
-    ``bind`` is called once with the topology's graph before any plan; raise
-    :class:`PolicyError` there for parameters that do not fit it.
+    Parameters: a policy declares them as a pydantic model, ``Params`` (a subclass of
+    :class:`~policies.params.PolicyParams`), and is built from keyword arguments or from one
+    ``Params`` instance; :meth:`__init__` validates them once into ``self.params`` (one
+    :class:`PolicyError` naming the field and the policy). A policy without ``Params`` takes
+    its parameters in its own ``__init__``.
+
+    ``bind`` is called with the topology's graph before any plan; raise :class:`PolicyError`
+    there for parameters that do not fit it. A policy caches paths and learns per topology,
+    so it serves one graph: binding it to a different one is refused.
     """
 
     name: str = "policy"
+    Params: ClassVar[type[PolicyParams] | None] = None
+
+    def __init__(self, params: PolicyParams | None = None, /, **kwargs: Any):
+        if self.Params is None:
+            if params is not None or kwargs:
+                raise PolicyError(f"params: policy {self.name!r} declares no parameters")
+            return
+        if params is not None and (kwargs or not isinstance(params, self.Params)):
+            raise PolicyError(
+                f"params: {type(self).__name__} takes keyword arguments or one {type(self).__name__}.Params "
+                f"(policy {self.name!r}), got {params!r}" + (f" and {sorted(kwargs)}" if kwargs else ""))
+        self.params = self.check_params(kwargs if params is None else params)
+
+    @classmethod
+    def check_params(cls, params: Any) -> PolicyParams:
+        """``params`` (a mapping or a ``Params``) validated against ``cls.Params``."""
+        assert cls.Params is not None
+        return check_params(cls.Params, cls.name, params)
+
+    def param_error(self, field: str, message: str) -> PolicyError:
+        """The error for a parameter that does not fit the topology (raised from ``bind``)."""
+        return PolicyError(f"params.{field}: {message} (policy {self.name!r})")
 
     def bind(self, graph: nx.DiGraph, authority: str) -> None:
+        bound = getattr(self, "graph", None)
+        if bound is not None and bound is not graph and not _same_graph(bound, self.authority, graph, authority):
+            raise PolicyError(
+                f"bind: this {self.name!r} policy object already serves another topology (levels "
+                f"{sorted(bound.nodes)}, authority {self.authority!r}); it caches paths and learns per "
+                "topology, so give each cascade its own (e.g. policies.from_spec(...))")
         self.graph = graph
         self.authority = authority
 
@@ -178,6 +212,11 @@ class Policy(abc.ABC):
 
     def observe_pass(self, cost: PassCost) -> None:
         """Learn from the cost of one worker call (shared by the sequences it covered)."""
+
+
+def _same_graph(a: nx.DiGraph, a_authority: str, b: nx.DiGraph, b_authority: str) -> bool:
+    """Same levels, edges and authority: what a policy's caches and estimates are keyed by."""
+    return a_authority == b_authority and set(a.nodes) == set(b.nodes) and set(a.edges) == set(b.edges)
 
 
 def longest_path(graph: nx.DiGraph, authority: str, available: frozenset[str] | None = None) -> tuple[str, ...]:

@@ -1,40 +1,52 @@
 """The baseline policy: one path and a fixed lookahead per level, every step."""
 from __future__ import annotations
 
+from typing import Annotated, Any
+
 import networkx as nx
+from pydantic import Field
 
 from policies.base import PlanContext, Policy, PolicyError, StepPlan, longest_path
+from policies.params import Int, PathParams, per_level
+
+
+class FixedParams(PathParams):
+    lookahead: per_level(Annotated[Int, Field(ge=0)]) = Field(
+        4, description="Tokens each proposing level drafts per block: one int for every level, or a "
+                       "mapping level -> int (levels left out: 4). 0 = that level only samples.")
 
 
 class FixedPolicy(Policy):
     """Always the same path (default: the longest path to the authority) and lookahead.
 
-    Params:
+    Params (:class:`FixedParams`):
       lookahead: int for every proposing level, or a mapping level -> int (default 4).
       path: list of level names ending at the authority (default: the longest path).
+
+    ``lookahead`` may also be passed positionally: ``FixedPolicy(3)``, ``FixedPolicy({"tiny": 2})``.
     """
 
     name = "fixed"
+    Params = FixedParams
 
-    def __init__(self, lookahead: int | dict[str, int] = 4, path: list[str] | None = None):
-        if isinstance(lookahead, bool) or not isinstance(lookahead, (int, dict)):
-            raise PolicyError(f"lookahead: expected an int or a mapping level -> int, got {lookahead!r}")
-        values = lookahead.values() if isinstance(lookahead, dict) else [lookahead]
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise PolicyError(f"lookahead: expected non-negative ints, got {v!r}")
-        self.lookahead_param = lookahead
-        self.path_param = list(path) if path is not None else None
+    def __init__(self, lookahead: Any = None, /, **kwargs: Any):
+        if lookahead is not None and not isinstance(lookahead, FixedParams):
+            if "lookahead" in kwargs:
+                raise PolicyError(f"params.lookahead: given twice (policy {self.name!r})")
+            kwargs["lookahead"], lookahead = lookahead, None
+        super().__init__(lookahead, **kwargs)
+        self.lookahead_param = self.params.lookahead
+        self.path_param = list(self.params.path) if self.params.path is not None else None
         self._paths: dict[frozenset[str], tuple[str, ...]] = {}
 
     def bind(self, graph: nx.DiGraph, authority: str) -> None:
         super().bind(graph, authority)
         if self.path_param is not None:
-            check_path(graph, authority, self.path_param)
+            check_path(self, graph, authority, self.path_param)
         if isinstance(self.lookahead_param, dict):
             unknown = set(self.lookahead_param) - set(graph.nodes)
             if unknown:
-                raise PolicyError(f"lookahead: unknown level(s) {sorted(unknown)}")
+                raise self.param_error("lookahead", f"unknown level(s) {sorted(unknown)}; levels: {list(graph.nodes)}")
 
     def lookahead_for(self, level: str) -> int:
         if isinstance(self.lookahead_param, dict):
@@ -51,10 +63,10 @@ class FixedPolicy(Policy):
         return StepPlan(path=path, lookahead={n: self.lookahead_for(n) for n in path[:-1]})
 
 
-def check_path(graph: nx.DiGraph, authority: str, path: list[str]) -> None:
+def check_path(policy: Policy, graph: nx.DiGraph, authority: str, path: list[str]) -> None:
     """Raise PolicyError unless ``path`` is a path of the graph that ends at the authority."""
     if not path or path[-1] != authority:
-        raise PolicyError(f"path: must end at the authority {authority!r}, got {path!r}")
+        raise policy.param_error("path", f"must end at the authority {authority!r}, got {path!r}")
     for a, b in zip(path, path[1:]):
         if not graph.has_edge(a, b):
-            raise PolicyError(f"path: {a!r} -> {b!r} is not an edge of the topology")
+            raise policy.param_error("path", f"{a!r} -> {b!r} is not an edge of the topology")
