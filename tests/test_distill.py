@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from cascade import distill  # noqa: E402
+from cascade.train import distill  # noqa: E402
 from cascade.train.corpus import (  # noqa: E402
     WindowSampler,
     collect_files,
@@ -223,3 +223,10 @@ def test_ensemble_teacher_averages_probabilities(teacher_dir):
         pa, pb = (torch.softmax(m(input_ids=x).logits, -1) for m in (a, b))
     assert torch.allclose(mixed.exp(), (pa + pb) / 2, atol=1e-6)
     assert torch.allclose(mixed.exp().sum(-1), torch.ones(2, 9), atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_an_unavailable_device_asked_for_by_name_is_an_error(tmp_path, teacher_dir, corpus_dir):
+    """A worker falls back to the CPU; hours of training on a device not asked for is an error."""
+    with pytest.raises(SystemExit, match="--device: device 'cuda' requested but it is not available"):
+        distill.main(_args(teacher_dir, corpus_dir, tmp_path / "w", tmp_path / "s", "--device", "cuda"))

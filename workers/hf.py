@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from workers.base import Worker
+from workers.devices import resolve_device
 from workers.lean import lean_forward
 
 log = logging.getLogger(__name__)
@@ -33,16 +34,6 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` -> the first visible CUDA device, else CPU; ``cuda:N`` without CUDA -> CPU, said."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        log.warning("device %s requested but CUDA is not available; falling back to CPU", device)
-        return torch.device("cpu")
-    return torch.device(device)
 
 
 @dataclass

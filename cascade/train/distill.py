@@ -29,13 +29,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from cascade.train.family import LEVELS, SIZES
+from cascade.train.trainer import (  # noqa: F401  (lr_at, EnsembleTeacher: this command's public names)
+    EnsembleTeacher,
+    Optimisation,
+    Session,
+    eval_loss,
+    log,
+    lr_at,
+    train_students,
+)
 
 DEFAULT_WORK_DIR = "runs/distill"
 
@@ -172,16 +179,6 @@ def run(args) -> int:
 # --------------------------------------------------------------------------- helpers
 
 
-def resolve_device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("cascade distill: --device cuda requested but CUDA is not available")
-    return torch.device(name)
-
-
 def use_amp(name: str, device) -> bool:
     """Whether to train under bfloat16 autocast (see --amp)."""
     import torch
@@ -200,44 +197,19 @@ def use_amp(name: str, device) -> bool:
 
 
 def _setup_torch(args):
+    """Threads and seed; the device, where an unavailable one asked for by name is an error (hours
+    of training on a device other than the one named is worse than stopping)."""
     import torch
+
+    from workers.devices import resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    return resolve_device(args.device)
-
-
-def log(msg: str, work_dir: Path | None = None) -> None:
-    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-    print(line, flush=True)
-    if work_dir is not None:
-        work_dir.mkdir(parents=True, exist_ok=True)
-        with open(work_dir / "distill.log", "a") as fh:
-            fh.write(line + "\n")
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int, floor_ratio: float,
-          progress: float | None = None) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to ``floor_ratio * peak``.
-
-    ``progress`` (0..1) overrides ``step / total`` for the cosine (time-budgeted runs use
-    ``max(step / total, elapsed / budget)``).
-    """
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    if progress is None:
-        progress = (step - warmup) / max(1, total - warmup)
-    progress = min(1.0, max(0.0, progress))
-    return peak * (floor_ratio + (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def _atomic_save(obj, path: Path) -> None:
-    import torch
-
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        return resolve_device(args.device, fallback=False)
+    except ValueError as exc:
+        raise SystemExit(f"cascade distill: --device: {exc}") from exc
 
 
 def load_corpus_tokens(specs, tokenizer, work_dir: Path, tag: str):
@@ -254,205 +226,19 @@ def load_corpus_tokens(specs, tokenizer, work_dir: Path, tag: str):
     return files, data
 
 
-# --------------------------------------------------------------------------- training core
+def _optimisation(args, device, lr: float, warmup: int, kl_weight: float | None = None,
+                  temperature: float | None = None) -> Optimisation:
+    return Optimisation(
+        lr=lr, warmup=warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip, kl_weight=args.kl_weight if kl_weight is None else kl_weight,
+        temperature=args.temperature if temperature is None else temperature, amp=use_amp(args.amp, device))
 
 
-def train_students(
-    students: dict,
-    teacher,
-    sampler,
-    steps: int,
-    *,
-    ckpt_path: Path,
-    lr: float,
-    warmup: int,
-    min_lr_ratio: float = 0.1,
-    weight_decay: float = 0.1,
-    grad_clip: float = 1.0,
-    kl_weight: float = 0.8,
-    temperature: float = 1.0,
-    device=None,
-    amp: bool = False,
-    checkpoint_minutes: float = 3.0,
-    checkpoint_every: int | None = None,
-    time_budget_minutes: float | None = None,
-    stop_after: int | None = None,
-    resume: str = "auto",
-    progress: bool = True,
-    desc: str = "train",
-    work_dir: Path | None = None,
-) -> dict:
-    """Train every model in ``students`` (name -> LlamaForCausalLM) for ``steps`` steps.
-
-    With a ``teacher`` the loss is ``kl_weight * T^2 * KL(p_teacher^T || p_student^T) +
-    (1 - kl_weight) * CE``, the teacher's forward being computed once per batch and shared by
-    all students; without one it is plain next-token cross-entropy.  State (weights, optimizer,
-    step, running losses) is checkpointed atomically to ``ckpt_path``; ``resume`` is
-    ``"auto"`` (resume if present), ``"require"`` or ``"never"``.  With
-    ``time_budget_minutes`` training stops early once that much training time (summed over
-    resumed sessions) has passed, the cosine schedule following whichever of step- or
-    time-progress is further along.  Returns a summary dict (``steps`` = steps actually done).
-    """
-    import torch
-    import torch.nn.functional as F
-    from tqdm.auto import tqdm
-
-    device = device or torch.device("cpu")
-    opts = {}
-    for name, model in students.items():
-        model.to(device).train()
-        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-        opts[name] = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, betas=(0.9, 0.95), eps=1e-8,
-        )
-    if teacher is not None:
-        teacher.to(device).eval()
-
-    start, history, elapsed_before = 0, {n: [] for n in students}, 0.0
-    if resume != "never" and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if set(state["students"]) != set(students):
-            raise SystemExit(f"checkpoint {ckpt_path} holds {sorted(state['students'])}, "
-                             f"not {sorted(students)}; use --restart or another --work-dir")
-        for name, model in students.items():
-            model.load_state_dict(state["students"][name]["model"])
-            opts[name].load_state_dict(state["students"][name]["optim"])
-        start, history = state["step"], state.get("history", history)
-        elapsed_before = state.get("elapsed", 0.0)
-        log(f"{desc}: resumed from {ckpt_path} at step {start}/{steps}", work_dir)
-    elif resume == "require":
-        raise SystemExit(f"cascade distill: --resume given but no checkpoint at {ckpt_path}")
-
-    def save(step):
-        _atomic_save({
-            "step": step,
-            "total_steps": steps,
-            "students": {n: {"model": m.state_dict(), "optim": opts[n].state_dict()} for n, m in students.items()},
-            "history": history,
-            "elapsed": elapsed_before + time.time() - t_start,
-        }, ckpt_path)
-
-    ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-    t_start = last_ckpt = time.time()
-    bar = tqdm(total=steps, initial=start, desc=desc, disable=not progress, dynamic_ncols=True,
-               mininterval=2.0)
-    running = {n: None for n in students}
-    tokens = 0
-    budget_s = time_budget_minutes * 60 if time_budget_minutes else None
-    done = start
-    for step in range(start, steps):
-        elapsed = elapsed_before + time.time() - t_start
-        if budget_s is not None and elapsed >= budget_s:
-            log(f"{desc}: time budget of {time_budget_minutes} min reached at step {step}/{steps}", work_dir)
-            break
-        if stop_after is not None and step - start >= stop_after:
-            log(f"{desc}: stopping after {stop_after} steps this session (at step {step}/{steps}); "
-                "re-run to resume", work_dir)
-            save(step)
-            return {"steps": step, "history": history, "interrupted": True,
-                    "train_seconds": elapsed_before + time.time() - t_start}
-        progress = None
-        if budget_s is not None:
-            progress = max((step - warmup) / max(1, steps - warmup), elapsed / budget_s)
-        batch = sampler.batch(step).to(device)
-        x, y = batch[:, :-1], batch[:, 1:]
-        cur_lr = lr_at(step, steps, lr, warmup, min_lr_ratio, progress)
-        t_logp = None
-        if teacher is not None:
-            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                t_logits = teacher(input_ids=x).logits.float()
-                t_logp = F.log_softmax(t_logits / temperature, dim=-1)
-                del t_logits
-        post = {}
-        for name, model in students.items():
-            for g in opts[name].param_groups:
-                g["lr"] = cur_lr
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                logits = model(input_ids=x).logits
-            logits = logits.float()
-            ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-            if t_logp is not None:
-                s_logp = F.log_softmax(logits / temperature, dim=-1)
-                kl = F.kl_div(s_logp, t_logp, log_target=True, reduction="none").sum(-1).mean()
-                loss = kl_weight * temperature**2 * kl + (1 - kl_weight) * ce
-            else:
-                kl = None
-                loss = ce
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            opts[name].step()
-            opts[name].zero_grad(set_to_none=True)
-            val = ce.item()
-            running[name] = val if running[name] is None else 0.95 * running[name] + 0.05 * val
-            post[name] = f"{running[name]:.3f}" + (f"/kl{kl.item():.3f}" if kl is not None else "")
-        tokens += x.numel()
-        bar.update(1)
-        bar.set_postfix(post, refresh=False)
-        done = step + 1
-        if done % 50 == 0 or done == steps:
-            for n in students:
-                history[n].append((done, running[n]))
-            log(f"{desc}: step {done}/{steps} lr {cur_lr:.2e} " + " ".join(f"{n}={v}" for n, v in post.items())
-                + f" tok/s {tokens / max(1e-9, time.time() - t_start):.0f}", work_dir if not progress else work_dir)
-        if done < steps and ((time.time() - last_ckpt) >= checkpoint_minutes * 60
-                             or (checkpoint_every and done % checkpoint_every == 0)):
-            save(done)
-            last_ckpt = time.time()
-    bar.close()
-    if done > start or not ckpt_path.exists():
-        save(done)
-    for model in students.values():
-        model.eval()
-    return {"steps": done, "history": history, "interrupted": False,
-            "train_seconds": elapsed_before + time.time() - t_start}
-
-
-
-class EnsembleTeacher:
-    """Averages the next-token distributions of several causal LMs (same tokenizer).
-
-    Called like a model; ``.logits`` are the log of the mean probability (a valid logit vector).
-    """
-
-    def __init__(self, members):
-        self.members = list(members)
-
-    def to(self, device):
-        self.members = [m.to(device) for m in self.members]
-        return self
-
-    def eval(self):
-        for m in self.members:
-            m.eval()
-        return self
-
-    def __call__(self, input_ids):
-        import torch
-        from types import SimpleNamespace
-
-        logps = [torch.log_softmax(m(input_ids=input_ids).logits.float(), -1) for m in self.members]
-        mixed = torch.logsumexp(torch.stack(logps), 0) - math.log(len(logps))
-        return SimpleNamespace(logits=mixed)
-
-
-def eval_loss(model, windows, device=None, batch_size: int = 8) -> float:
-    """Mean next-token cross-entropy (nats/token) of ``model`` over fixed windows [n, L+1]."""
-    import torch
-    import torch.nn.functional as F
-
-    device = device or next(model.parameters()).device
-    total, count = 0.0, 0
-    model.eval()
-    with torch.no_grad():
-        for i in range(0, windows.size(0), batch_size):
-            b = windows[i : i + batch_size].to(device)
-            logits = model(input_ids=b[:, :-1]).logits.float()
-            total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), b[:, 1:].reshape(-1),
-                                     reduction="sum").item()
-            count += b[:, 1:].numel()
-    return total / max(1, count)
+def _session(args, ckpt_path: Path, minutes: float | None, desc: str) -> Session:
+    return Session(
+        ckpt_path=ckpt_path, checkpoint_minutes=args.checkpoint_minutes, checkpoint_every=args.checkpoint_every,
+        time_budget_minutes=minutes, stop_after=args.stop_after, resume=_resume_mode(args),
+        progress=not args.no_progress, desc=desc, work_dir=Path(args.work_dir))
 
 
 def _training_record(model_dir: str | None) -> dict | None:
@@ -475,62 +261,104 @@ def _eval_windows(args, tokenizer, work_dir: Path, max_windows: int = 48):
     return fixed_windows(data, args.seq_len, max_windows)
 
 
+def _train_tokenizer(corpus, tok_dir: Path, vocab_size: int, work_dir: Path) -> None:
+    from cascade.train.corpus import collect_files, read_texts, train_tokenizer
+
+    files = collect_files(corpus)
+    log(f"training a {vocab_size}-token byte-level BPE on {len(files)} files", work_dir)
+    train_tokenizer(read_texts(files), tok_dir, vocab_size)
+
+
+def _load_float32(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
 # --------------------------------------------------------------------------- single mode
 
 
 def run_single(args) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from cascade.train.corpus import WindowSampler, collect_files, load_tokenizer, read_texts, train_tokenizer
-    from cascade.train.family import count_params, make_model, parse_size, save_model
+    """One or more students against one teacher (or from scratch), saved to --out."""
+    from cascade.train.corpus import WindowSampler
 
     device = _setup_torch(args)
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
-    scratch = args.teacher.lower() == "none"
-    teacher = None
-    if scratch:
-        if args.tokenizer:
-            tokenizer = load_tokenizer(args.tokenizer)
-        else:
-            tok_dir = work_dir / "tokenizer"
-            if (tok_dir / "tokenizer.json").exists() and not args.restart:
-                tokenizer = load_tokenizer(tok_dir)
-            else:
-                log(f"training a {args.vocab_size}-token byte-level BPE on {args.corpus}", work_dir)
-                tokenizer = train_tokenizer(read_texts(collect_files(args.corpus)), tok_dir, args.vocab_size)
-                tokenizer = load_tokenizer(tok_dir)
-    else:
+    tokenizer, teacher = _single_tokenizer_and_teacher(args, work_dir)
+    init, init_size = _single_init(args, teacher)
+    names, sizes, outs = _single_plan(args, init_size, work_dir)
+    files, data = load_corpus_tokens(args.corpus, tokenizer, work_dir, "train")
+    log(f"corpus: {len(files)} files, {data.numel():,} tokens", work_dir)
+    sampler = WindowSampler(data, args.seq_len, args.batch_size, seed=args.seed)
+    students = _single_students(args, names, sizes, tokenizer, teacher, init, work_dir)
+    lr = args.lr if args.lr is not None else (1.5e-3 if teacher is None else 2e-3)
+    summary = train_students(
+        students, teacher, sampler, args.steps,
+        _optimisation(args, device, lr, warmup=min(args.warmup, max(1, args.steps // 10))),
+        _session(args, work_dir / "checkpoint.pt", args.max_minutes,
+                 "distill" if teacher is not None else "train"),
+        device)
+    if summary["interrupted"]:
+        return 0
+    _save_single(args, students, outs, sizes, summary, tokenizer, lr, teacher is None)
+    return 0
+
+
+def _single_tokenizer_and_teacher(args, work_dir: Path):
+    """(tokenizer, teacher model or None): the teacher's tokenizer, --tokenizer, or (from scratch
+    without one) a BPE trained on the corpus and kept in the work dir."""
+    from cascade.train.corpus import load_tokenizer
+
+    if args.teacher.lower() != "none":
         tokenizer = load_tokenizer(args.tokenizer or args.teacher)
-        teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32)
+        teacher = _load_float32(args.teacher)
         if teacher.get_input_embeddings().weight.shape[0] < len(tokenizer):
             raise SystemExit("cascade distill: the teacher's vocabulary is smaller than the tokenizer's")
-    if args.init:
-        init = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
-        if init.config.vocab_size != teacher.config.vocab_size:
-            raise SystemExit(f"cascade distill: --init {args.init} has a vocabulary of {init.config.vocab_size}, "
-                             f"the teacher {teacher.config.vocab_size}")
-        c = init.config
-        sizes = [dict(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
-                      intermediate=c.intermediate_size)]
-        args.size = [Path(args.init).name or "init"]
-    else:
-        sizes = [parse_size(s) for s in args.size]
+        return tokenizer, teacher
+    if args.tokenizer:
+        return load_tokenizer(args.tokenizer), None
+    tok_dir = work_dir / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists() or args.restart:
+        _train_tokenizer(args.corpus, tok_dir, args.vocab_size, work_dir)
+    return load_tokenizer(tok_dir), None
+
+
+def _single_init(args, teacher):
+    """(the --init model, its shape), or (None, None); the model's name becomes the one --size."""
+    if not args.init:
+        return None, None
+    init = _load_float32(args.init)
+    if init.config.vocab_size != teacher.config.vocab_size:
+        raise SystemExit(f"cascade distill: --init {args.init} has a vocabulary of {init.config.vocab_size}, "
+                         f"the teacher {teacher.config.vocab_size}")
+    c = init.config
+    args.size = [Path(args.init).name or "init"]
+    return init, dict(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
+                      intermediate=c.intermediate_size)
+
+
+def _single_plan(args, init_size: dict | None, work_dir: Path):
+    """(names, sizes, output dirs) of the students, one each per --size."""
+    from cascade.train.family import parse_size
+
+    sizes = [init_size] if init_size else [parse_size(s) for s in args.size]
     outs = args.out or []
     if len(outs) not in (0, len(sizes)):
         raise SystemExit("cascade distill: give one --out per --size (or none)")
     names = [s.replace("/", "_") for s in args.size]
     if len(set(names)) != len(names):
         names = [f"{n}-{i}" for i, n in enumerate(names)]
-    outs = outs or [str(work_dir / n) for n in names]
+    return names, sizes, outs or [str(work_dir / n) for n in names]
 
-    files, data = load_corpus_tokens(args.corpus, tokenizer, work_dir, "train")
-    log(f"corpus: {len(files)} files, {data.numel():,} tokens", work_dir)
-    sampler = WindowSampler(data, args.seq_len, args.batch_size, seed=args.seed)
+
+def _single_students(args, names, sizes, tokenizer, teacher, init, work_dir: Path) -> dict:
+    from cascade.train.family import count_params, make_model
+
     students = {}
     for i, (name, size) in enumerate(zip(names, sizes)):
-        if args.init:
+        if init is not None:
             students[name] = init
             log(f"student {name}: initialised from {args.init}", work_dir)
             continue
@@ -538,18 +366,14 @@ def run_single(args) -> int:
         if teacher is not None and students[name].config.vocab_size != teacher.config.vocab_size:
             students[name].resize_token_embeddings(teacher.config.vocab_size)
         log(f"student {name}: {size} -> {count_params(students[name]):,} params", work_dir)
-    lr = args.lr if args.lr is not None else (1.5e-3 if scratch else 2e-3)
-    summary = train_students(
-        students, teacher, sampler, args.steps, ckpt_path=work_dir / "checkpoint.pt", lr=lr,
-        warmup=min(args.warmup, max(1, args.steps // 10)), min_lr_ratio=args.min_lr_ratio,
-        weight_decay=args.weight_decay, grad_clip=args.grad_clip, kl_weight=args.kl_weight,
-        temperature=args.temperature, device=device, amp=use_amp(args.amp, device), checkpoint_minutes=args.checkpoint_minutes,
-        checkpoint_every=args.checkpoint_every, time_budget_minutes=args.max_minutes,
-        stop_after=args.stop_after, resume=_resume_mode(args), progress=not args.no_progress,
-        desc="distill" if teacher is not None else "train", work_dir=work_dir,
-    )
-    if summary["interrupted"]:
-        return 0
+    return students
+
+
+def _save_single(args, students, outs, sizes, summary, tokenizer, lr: float, scratch: bool) -> None:
+    """Each student with its training.json (and held-out loss, given --eval-corpus) to its --out."""
+    from cascade.train.family import save_model
+
+    work_dir = Path(args.work_dir)
     windows = _eval_windows(args, tokenizer, work_dir)
     for (name, model), out, size in zip(students.items(), outs, sizes):
         extra = {"size": size, "steps": summary["steps"], "seq_len": args.seq_len, "batch_size": args.batch_size,
@@ -564,154 +388,186 @@ def run_single(args) -> int:
             log(f"{name}: held-out loss {extra['eval_loss']:.4f}", work_dir)
         save_model(model, tokenizer, out, dtype=args.save_dtype, extra=extra)
         log(f"saved {name} -> {out}", work_dir)
-    return 0
 
 
 # --------------------------------------------------------------------------- family mode
 
 
-def run_family(args) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
+@dataclass
+class _Family:
+    """What every stage of a family build shares: the command's arguments, where things go, the
+    level shapes, the tokenizer, the corpus tokens and the held-out windows."""
 
-    from cascade.train.corpus import WindowSampler, collect_files, load_tokenizer, read_texts, train_tokenizer
-    from cascade.train.family import count_params, make_model, save_model
+    args: argparse.Namespace
+    device: object
+    work_dir: Path
+    family_dir: Path
+    sizes: dict
+    tokenizer: object
+    data: object  # the corpus as one int32 token tensor
+    n_files: int
+    windows: object  # held-out windows [n, seq_len + 1], or None
 
-    from cascade.train.family import parse_size
+    def sampler(self, seed_offset: int):
+        from cascade.train.corpus import WindowSampler
 
-    device = _setup_torch(args)
-    work_dir = Path(args.work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    family_dir = Path(args.family)
-    sizes = {lv: dict(SIZES[lv]) for lv in LEVELS}
-    for item in args.level_size:
-        lv, _, spec = item.partition("=")
-        if lv not in sizes or not spec:
-            raise SystemExit(f"cascade distill: bad --level-size {item!r} (levels: {list(LEVELS)})")
-        sizes[lv] = parse_size(spec)
-    resume = _resume_mode(args)
-    log(f"family build -> {family_dir} (work dir {work_dir}, device {device}, "
-        f"bf16 autocast {use_amp(args.amp, device)})", work_dir)
+        args = self.args
+        return WindowSampler(self.data, args.seq_len, args.batch_size, seed=args.seed + seed_offset)
 
-    # 1. tokenizer
-    tok_dir = work_dir / "tokenizer"
-    if not (tok_dir / "tokenizer.json").exists() or args.restart:
-        files = collect_files(args.corpus)
-        log(f"training a {args.vocab_size}-token byte-level BPE on {len(files)} files", work_dir)
-        train_tokenizer(read_texts(files), tok_dir, args.vocab_size)
-    tokenizer = load_tokenizer(tok_dir)
-    files, data = load_corpus_tokens(args.corpus, tokenizer, work_dir, "train")
-    log(f"corpus: {len(files)} files, {data.numel():,} tokens", work_dir)
-    windows = _eval_windows(args, tokenizer, work_dir)
-
-    def extra_for(level, summary, lr, teacher):
-        steps = summary["steps"]
-        return {"level": level, "size": sizes[level], "steps": steps, "seq_len": args.seq_len,
+    def record(self, level: str, summary: dict, lr: float, teacher: str | None) -> dict:
+        """The training.json of a level trained by one stage."""
+        args, steps = self.args, summary["steps"]
+        return {"level": level, "size": self.sizes[level], "steps": steps, "seq_len": args.seq_len,
                 "batch_size": args.batch_size, "train_tokens": steps * args.batch_size * args.seq_len,
                 "train_seconds": round(summary["train_seconds"], 1), "lr": lr, "seed": args.seed,
                 "teacher": teacher, "kl_weight": None if teacher is None else args.kl_weight,
                 "temperature": None if teacher is None else args.temperature,
-                "corpus": list(args.corpus), "corpus_files": len(files), "corpus_tokens": int(data.numel()),
+                "corpus": list(args.corpus), "corpus_files": self.n_files, "corpus_tokens": int(self.data.numel()),
                 "final_train_ce": summary["history"][level][-1][1] if summary["history"][level] else None}
 
-    # 2. the large model (authority) from scratch
-    large_stage = work_dir / "large"
-    large_done = large_stage / "final"
-    if (large_done / "config.json").exists() and not args.restart:
-        log("large: already trained, loading", work_dir)
-        large = AutoModelForCausalLM.from_pretrained(large_done, dtype=torch.float32)
-    else:
-        large = make_model(sizes["large"], tokenizer, seed=args.seed + 4, max_positions=max(1024, args.seq_len))
-        log(f"large: {count_params(large):,} params, {args.teacher_steps} steps from scratch", work_dir)
-        sampler = WindowSampler(data, args.seq_len, args.batch_size, seed=args.seed)
-        lr = args.lr if args.lr is not None else 1.5e-3
-        summary = train_students(
-            {"large": large}, None, sampler, args.teacher_steps, ckpt_path=large_stage / "checkpoint.pt",
-            lr=lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
-            grad_clip=args.grad_clip, device=device, amp=use_amp(args.amp, device), checkpoint_minutes=args.checkpoint_minutes,
-            checkpoint_every=args.checkpoint_every, time_budget_minutes=args.teacher_minutes,
-            stop_after=args.stop_after, resume=resume, progress=not args.no_progress, desc="large",
-            work_dir=work_dir)
-        if summary["interrupted"]:
-            return 0
-        extra = extra_for("large", summary, lr, None)
-        if windows is not None:
-            extra["eval_loss"] = eval_loss(large, windows)
-            log(f"large: held-out loss {extra['eval_loss']:.4f}", work_dir)
-        # keep a float32 copy for distillation; publish a float16 copy
-        save_model(large, tokenizer, large_done, dtype="float32", extra=extra)
-        save_model(large, tokenizer, family_dir / "large", dtype=args.save_dtype, extra=extra)
-        log(f"large: saved -> {family_dir / 'large'}", work_dir)
-    large.to(device).eval()
-    for p in large.parameters():
-        p.requires_grad_(False)
+    def held_out(self, name: str, model, record: dict) -> None:
+        if self.windows is not None:
+            record["eval_loss"] = eval_loss(model, self.windows)
+            log(f"{name}: held-out loss {record['eval_loss']:.4f}", self.work_dir)
 
-    # 3. students distilled from the large model, one shared teacher forward per batch
-    levels = [lv for lv in LEVELS if lv != "large"]
-    todo = [lv for lv in levels if args.restart or not (family_dir / lv / "config.json").exists()
-            or not (work_dir / "students" / "done").exists()]
-    if todo:
-        students = {lv: make_model(sizes[lv], tokenizer, seed=args.seed + 1 + i, max_positions=max(1024, args.seq_len))
-                    for i, lv in enumerate(levels)}
-        for lv, m in students.items():
-            log(f"{lv}: {count_params(m):,} params, distilled from large for {args.student_steps} steps", work_dir)
-        sampler = WindowSampler(data, args.seq_len, args.batch_size, seed=args.seed + 1)
-        lr = args.lr if args.lr is not None else 2e-3
-        summary = train_students(
-            students, large, sampler, args.student_steps, ckpt_path=work_dir / "students" / "checkpoint.pt",
-            lr=lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
-            grad_clip=args.grad_clip, kl_weight=args.kl_weight, temperature=args.temperature, device=device,
-            amp=use_amp(args.amp, device),
-            checkpoint_minutes=args.checkpoint_minutes, checkpoint_every=args.checkpoint_every,
-            time_budget_minutes=args.student_minutes, stop_after=args.stop_after, resume=resume,
-            progress=not args.no_progress, desc="students", work_dir=work_dir)
-        if summary["interrupted"]:
-            return 0
-        for lv, m in students.items():
-            extra = extra_for(lv, summary, lr, "large")
-            if windows is not None:
-                extra["eval_loss"] = eval_loss(m, windows)
-                log(f"{lv}: held-out loss {extra['eval_loss']:.4f}", work_dir)
-            save_model(m, tokenizer, family_dir / lv, dtype=args.save_dtype, extra=extra)
-            log(f"{lv}: saved -> {family_dir / lv}", work_dir)
-        (work_dir / "students" / "done").write_text("ok\n")
 
-    # 4. optional: refine the large model against the ensemble of the distilled medium and small
-    refine_dir = work_dir / "refine"
-    if args.refine_steps > 0 and (args.restart or not (refine_dir / "done").exists()):
-        members = [AutoModelForCausalLM.from_pretrained(family_dir / lv, dtype=torch.float32).to(device).eval()
-                   for lv in ("medium", "small")]
-        teacher = EnsembleTeacher(members)
-        sampler = WindowSampler(data, args.seq_len, args.batch_size, seed=args.seed + 2)
-        for p in large.parameters():
-            p.requires_grad_(True)
-        log(f"large: refining against the ensemble of medium+small for {args.refine_steps} steps", work_dir)
-        summary = train_students(
-            {"large": large}, teacher, sampler, args.refine_steps, ckpt_path=refine_dir / "checkpoint.pt",
-            lr=args.refine_lr, warmup=min(args.warmup, 20), min_lr_ratio=args.min_lr_ratio,
-            weight_decay=args.weight_decay, grad_clip=args.grad_clip, kl_weight=args.refine_kl_weight,
-            temperature=1.0, device=device, amp=use_amp(args.amp, device),
-            checkpoint_minutes=args.checkpoint_minutes, checkpoint_every=args.checkpoint_every,
-            time_budget_minutes=args.refine_minutes, stop_after=args.stop_after, resume=resume,
-            progress=not args.no_progress, desc="refine", work_dir=work_dir)
-        if summary["interrupted"]:
-            return 0
-        info = json.loads((large_done / "training.json").read_text())
-        info["refine"] = {"teacher": "ensemble(medium, small)", "steps": summary["steps"],
-                          "train_tokens": summary["steps"] * args.batch_size * args.seq_len,
-                          "train_seconds": round(summary["train_seconds"], 1), "lr": args.refine_lr,
-                          "kl_weight": args.refine_kl_weight}
-        info["train_tokens"] += info["refine"]["train_tokens"]
-        info["train_seconds"] = round(info["train_seconds"] + info["refine"]["train_seconds"], 1)
-        if windows is not None:
-            info["eval_loss"] = eval_loss(large, windows)
-            log(f"large (refined): held-out loss {info['eval_loss']:.4f}", work_dir)
-        save_model(large, tokenizer, family_dir / "large", dtype=args.save_dtype, extra=info)
-        save_model(large, tokenizer, refine_dir / "final", dtype="float32", extra=info)
-        (refine_dir / "done").write_text("ok\n")
-        log(f"large (refined): saved -> {family_dir / 'large'}", work_dir)
+def run_family(args) -> int:
+    """tokenizer -> large from scratch -> medium/small/tiny distilled from it -> (optionally) large
+    refined against the ensemble of medium and small. Each stage is skipped once done, so
+    re-running the command resumes where it stopped."""
+    device = _setup_torch(args)
+    work_dir = Path(args.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    sizes = _family_sizes(args.level_size)
+    log(f"family build -> {Path(args.family)} (work dir {work_dir}, device {device}, "
+        f"bf16 autocast {use_amp(args.amp, device)})", work_dir)
+    tok_dir = work_dir / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists() or args.restart:
+        _train_tokenizer(args.corpus, tok_dir, args.vocab_size, work_dir)
+    from cascade.train.corpus import load_tokenizer
+
+    tokenizer = load_tokenizer(tok_dir)
+    files, data = load_corpus_tokens(args.corpus, tokenizer, work_dir, "train")
+    log(f"corpus: {len(files)} files, {data.numel():,} tokens", work_dir)
+    fam = _Family(args, device, work_dir, Path(args.family), sizes, tokenizer, data, len(files),
+                  _eval_windows(args, tokenizer, work_dir))
+    large = _family_large(fam)
+    if large is None or not _family_students(fam, large) or not _family_refine(fam, large):
+        return 0  # a stage stopped early (--stop-after): re-run to resume
     log("family build complete", work_dir)
     return 0
+
+
+def _family_sizes(overrides: list[str]) -> dict:
+    from cascade.train.family import parse_size
+
+    sizes = {lv: dict(SIZES[lv]) for lv in LEVELS}
+    for item in overrides:
+        lv, _, spec = item.partition("=")
+        if lv not in sizes or not spec:
+            raise SystemExit(f"cascade distill: bad --level-size {item!r} (levels: {list(LEVELS)})")
+        sizes[lv] = parse_size(spec)
+    return sizes
+
+
+def _family_large(fam: _Family):
+    """Stage 2: the authority from scratch (cross-entropy), or the one already trained; frozen on
+    the device. None when the stage stopped early."""
+    from cascade.train.family import count_params, make_model, save_model
+
+    args, done_dir = fam.args, fam.work_dir / "large" / "final"
+    if (done_dir / "config.json").exists() and not args.restart:
+        log("large: already trained, loading", fam.work_dir)
+        large = _load_float32(done_dir)
+    else:
+        large = make_model(fam.sizes["large"], fam.tokenizer, seed=args.seed + 4,
+                           max_positions=max(1024, args.seq_len))
+        log(f"large: {count_params(large):,} params, {args.teacher_steps} steps from scratch", fam.work_dir)
+        sampler = fam.sampler(0)
+        lr = args.lr if args.lr is not None else 1.5e-3
+        summary = train_students(
+            {"large": large}, None, sampler, args.teacher_steps,
+            _optimisation(args, fam.device, lr, args.warmup),
+            _session(args, fam.work_dir / "large" / "checkpoint.pt", args.teacher_minutes, "large"), fam.device)
+        if summary["interrupted"]:
+            return None
+        record = fam.record("large", summary, lr, None)
+        fam.held_out("large", large, record)
+        # keep a float32 copy for distillation; publish a float16 copy
+        save_model(large, fam.tokenizer, done_dir, dtype="float32", extra=record)
+        save_model(large, fam.tokenizer, fam.family_dir / "large", dtype=args.save_dtype, extra=record)
+        log(f"large: saved -> {fam.family_dir / 'large'}", fam.work_dir)
+    large.to(fam.device).eval()
+    for p in large.parameters():
+        p.requires_grad_(False)
+    return large
+
+
+def _family_students(fam: _Family, large) -> bool:
+    """Stage 3: tiny, small and medium distilled from large, one shared teacher forward per batch.
+    False when the stage stopped early."""
+    from cascade.train.family import count_params, make_model, save_model
+
+    args, levels = fam.args, [lv for lv in LEVELS if lv != "large"]
+    marker = fam.work_dir / "students" / "done"
+    if not args.restart and marker.exists() and all((fam.family_dir / lv / "config.json").exists()
+                                                    for lv in levels):
+        return True
+    students = {lv: make_model(fam.sizes[lv], fam.tokenizer, seed=args.seed + 1 + i,
+                               max_positions=max(1024, args.seq_len)) for i, lv in enumerate(levels)}
+    for lv, m in students.items():
+        log(f"{lv}: {count_params(m):,} params, distilled from large for {args.student_steps} steps", fam.work_dir)
+    sampler = fam.sampler(1)
+    lr = args.lr if args.lr is not None else 2e-3
+    summary = train_students(
+        students, large, sampler, args.student_steps, _optimisation(args, fam.device, lr, args.warmup),
+        _session(args, fam.work_dir / "students" / "checkpoint.pt", args.student_minutes, "students"),
+        fam.device)
+    if summary["interrupted"]:
+        return False
+    for lv, m in students.items():
+        record = fam.record(lv, summary, lr, "large")
+        fam.held_out(lv, m, record)
+        save_model(m, fam.tokenizer, fam.family_dir / lv, dtype=args.save_dtype, extra=record)
+        log(f"{lv}: saved -> {fam.family_dir / lv}", fam.work_dir)
+    marker.write_text("ok\n")
+    return True
+
+
+def _family_refine(fam: _Family, large) -> bool:
+    """Stage 4 (--refine-steps > 0): large trained further against the ensemble of the distilled
+    medium and small (born-again refinement, KL + CE). False when the stage stopped early."""
+    from cascade.train.family import save_model
+
+    args, refine_dir = fam.args, fam.work_dir / "refine"
+    if args.refine_steps <= 0 or (not args.restart and (refine_dir / "done").exists()):
+        return True
+    teacher = EnsembleTeacher([_load_float32(fam.family_dir / lv).to(fam.device).eval()
+                               for lv in ("medium", "small")])
+    sampler = fam.sampler(2)
+    for p in large.parameters():
+        p.requires_grad_(True)
+    log(f"large: refining against the ensemble of medium+small for {args.refine_steps} steps", fam.work_dir)
+    summary = train_students(
+        {"large": large}, teacher, sampler, args.refine_steps,
+        _optimisation(args, fam.device, args.refine_lr, min(args.warmup, 20),
+                      kl_weight=args.refine_kl_weight, temperature=1.0),
+        _session(args, refine_dir / "checkpoint.pt", args.refine_minutes, "refine"), fam.device)
+    if summary["interrupted"]:
+        return False
+    info = json.loads((fam.work_dir / "large" / "final" / "training.json").read_text())
+    info["refine"] = {"teacher": "ensemble(medium, small)", "steps": summary["steps"],
+                      "train_tokens": summary["steps"] * args.batch_size * args.seq_len,
+                      "train_seconds": round(summary["train_seconds"], 1), "lr": args.refine_lr,
+                      "kl_weight": args.refine_kl_weight}
+    info["train_tokens"] += info["refine"]["train_tokens"]
+    info["train_seconds"] = round(info["train_seconds"] + info["refine"]["train_seconds"], 1)
+    fam.held_out("large (refined)", large, info)
+    save_model(large, fam.tokenizer, fam.family_dir / "large", dtype=args.save_dtype, extra=info)
+    save_model(large, fam.tokenizer, refine_dir / "final", dtype="float32", extra=info)
+    (refine_dir / "done").write_text("ok\n")
+    log(f"large (refined): saved -> {fam.family_dir / 'large'}", fam.work_dir)
+    return True
 
 
 def main(argv=None) -> int:

@@ -115,7 +115,7 @@ def heldout_windows(tokenizer, seq_len: int = 256, n: int = 64, text: str | None
 
 
 def heldout_losses(models: dict, windows) -> dict:
-    from cascade.train.distill import eval_loss
+    from cascade.train.trainer import eval_loss
 
     return {lv: eval_loss(m, windows) for lv, m in models.items()}
 

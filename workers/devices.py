@@ -1,0 +1,42 @@
+"""Device names to torch devices: one rule for every place that puts a model somewhere.
+
+A worker that loads a model asked for CUDA on a machine without it falls back to the CPU with a
+warning (a topology written on a GPU box still runs on a laptop, only slower). A training run
+that names an unavailable device refuses instead (``fallback=False``): hours of training on the
+wrong device are worse than an error. A name torch does not know is always an error.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str, *, fallback: bool = True) -> torch.device:
+    """``auto`` -> the first visible CUDA device, else the CPU; anything else as torch reads it.
+
+    An unavailable CUDA device (no CUDA, or an index past the last device) falls back to the
+    CPU with a warning, or raises ``ValueError`` when ``fallback`` is false. An unknown device
+    name raises ``ValueError`` naming it.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from exc
+    if device.type == "cuda" and not _cuda_has(device):
+        if not fallback:
+            raise ValueError(f"device {name!r} requested but it is not available "
+                             f"({torch.cuda.device_count()} CUDA device(s) visible)")
+        log.warning("device %s requested but it is not available; falling back to CPU", name)
+        return torch.device("cpu")
+    return device
+
+
+def _cuda_has(device: torch.device) -> bool:
+    if not torch.cuda.is_available():
+        return False
+    return device.index is None or device.index < torch.cuda.device_count()
