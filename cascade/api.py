@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -15,9 +16,9 @@ from cascade.engine import Batch, Engine, Request, RequestState
 from cascade.errors import ClosedError, RequestError, TopologyError, WorkerError
 from cascade.sampling import Sampling
 from cascade.stats import RequestStats
-from cascade.topology import DEVICE_PATTERN, Topology, load_topology
-from cascade.validation import GenerationParams, check_token_ids, generation_params, normalize_prompt, normalize_prompts
-from policies import Policy, PolicyError, make_policy
+from cascade.topology import Topology, load_topology
+from cascade.validation import DEVICE_PATTERN, GenerationParams, check_token_ids, generation_params, normalize_prompt, normalize_prompts
+from policies import Policy, PolicyError, from_spec, parse_policy_spec
 from workers.base import Worker
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Cascade:
         self._closed = False
         spec = topology.spec
         try:
-            policy = policy or make_policy(spec.policy.name, spec.policy.params)
+            policy = policy or from_spec(spec.policy.model_dump())
             eos = set()
             if tokenizer is not None and tokenizer.eos_token_id is not None:
                 eos.add(int(tokenizer.eos_token_id))
@@ -86,7 +87,10 @@ class Cascade:
     def from_topology(cls, path: str | Path, *, policy: str | Policy | None = None, device: str | None = None,
                       backend: str | None = None, address: str | None = None,
                       **policy_params: Any) -> "Cascade":
-        """Load a topology file, its models and its policy (``policy`` overrides the file's).
+        """Load a topology file, its models and its policy (``policy``, a spec string such as
+        ``"fixed:lookahead={tiny: 3}"``, a mapping ``{name, params}`` or a Policy, overrides the
+        file's). Other keyword arguments are policy parameters: they update ``policy``'s, or the
+        file's policy's when ``policy`` is not given (``from_topology(path, max_lookahead=16)``).
 
         ``backend`` ("local" or "ray") and ``address`` (Ray only) override the file's
         ``backend`` and ``ray.address``.
@@ -99,7 +103,7 @@ class Cascade:
             backend_cls = resolve_backend(name)
         except LookupError as exc:
             raise RequestError(f"backend: {exc}") from None
-        pol = _policy_arg(policy, policy_params, topo.source)
+        pol = _policy_arg(policy, policy_params, topo.source, topology=topo)
         tokenizer = load_tokenizer(topo)
         started = backend_cls.start(topo, address=address, device=device)
         try:
@@ -349,11 +353,31 @@ class Cascade:
         self.close()
 
 
-def _policy_arg(policy, params: dict[str, Any], where: str) -> Policy | None:
-    if policy is None or isinstance(policy, Policy):
-        return policy
+def _policy_arg(policy, params: dict[str, Any], where: str, topology: Topology | None = None) -> Policy | None:
+    """A call's ``policy`` (a spec string, a mapping ``{name, params}`` or a Policy; None: the
+    cascade's own) as a Policy. ``params``, keyword arguments of ``from_topology``, update the
+    spec's parameters, or those of ``topology``'s own policy when ``policy`` is None. With
+    ``topology`` the policy is bound to its graph here, so that a level name the graph lacks is
+    refused before any model loads."""
     try:
-        return make_policy(policy, params)
+        if params:
+            if isinstance(policy, Policy):
+                raise RequestError(f"{sorted(params)[0]}: policy parameters as keywords need a policy name or "
+                                   "spec, not a Policy object (build it with them)")
+            if policy is None and topology is not None:
+                policy = topology.spec.policy.model_dump()
+            elif isinstance(policy, str):
+                name, spec_params = parse_policy_spec(policy)
+                policy = {"name": name, "params": spec_params}
+            if not isinstance(policy, Mapping):
+                raise RequestError(f"policy: expected a spec string, a mapping or a Policy, got {policy!r}")
+            policy = {**policy, "params": {**(policy.get("params") or {}), **params}}
+        if policy is None:
+            return None
+        pol = from_spec(policy)
+        if topology is not None:
+            pol.bind(topology.graph, topology.authority)
+        return pol
     except PolicyError as exc:
         raise RequestError(f"policy: {exc}") from None
 

@@ -18,9 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cascade.errors import TopologyError
 from cascade.sampling import Sampling, SamplingOverride
+from cascade.validation import DEVICE_PATTERN
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"  # a level's device, and --device / device= overrides
 
 
 class Resources(BaseModel):

@@ -20,6 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from cascade.errors import RequestError
 
 _SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes 64 bits; prompt i of a list uses seed + i
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"  # a level's device, and the device= / --device overrides
 
 
 def as_int(value: Any) -> int:

@@ -108,5 +108,5 @@ def test_cli_generate(family, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 8 and out["stats"]["authority_passes"] >= 1
     assert "tiny->large" in out["stats"]["edges"]
-    assert main(["generate", "--topology", str(path), "--temperature", "-1", "x"]) == 1
+    assert main(["generate", "--topology", str(path), "--temperature", "-1", "x"]) == 2
     assert "temperature" in capsys.readouterr().err

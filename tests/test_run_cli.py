@@ -39,5 +39,5 @@ def test_run_reports_bad_input(family, tmp_path, capsys):
     assert "prompts:" in capsys.readouterr().err
     src.write_text('{"prompt": "x = 1"}\n')
     assert main(["run", "-t", str(topo), "--prompts", str(src), "--output", str(tmp_path / "o.jsonl"),
-                 "--backend", "local", "--max-new-tokens", "0"]) == 1
-    assert "max_new_tokens" in capsys.readouterr().err
+                 "--backend", "local", "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens" in capsys.readouterr().err

@@ -25,7 +25,9 @@ _COMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from cascade.cli.args import Parser
+
+    parser = Parser(
         prog="cascade",
         description="Exact hierarchical speculative decoding over a topology of models.",
     )
@@ -44,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a bad value (one line on stderr already)
+        return exc.code if isinstance(exc.code, int) else 2
     return int(args.func(args) or 0)
 
 

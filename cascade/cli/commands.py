@@ -26,15 +26,19 @@ def add_parser(sub) -> None:
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
+    from cascade.cli import args as types
+
     p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY, help=f"topology file (default {DEFAULT_TOPOLOGY})")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the topology's)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--policy", default=None, help="NAME[:key=value,...], e.g. fixed:lookahead=4")
-    p.add_argument("--device", default=None, help="override every level's device (cpu, cuda:0, auto)")
+    p.add_argument("--max-new-tokens", type=types.positive_int, default=128)
+    p.add_argument("--temperature", type=types.temperature, default=None, help="0 = greedy (default: the topology's)")
+    p.add_argument("--top-k", type=types.nonnegative_int, default=None, help="0 = off")
+    p.add_argument("--top-p", type=types.top_p, default=None, help="in (0, 1]; 1 = off")
+    p.add_argument("--seed", type=types.seed, default=None)
+    p.add_argument("--stop", action="append", type=types.nonempty, default=None, help="stop string (repeatable)")
+    p.add_argument("--policy", type=types.policy_spec, default=None,
+                   help="NAME[:key=value,...], e.g. fixed:lookahead=4")
+    p.add_argument("--device", type=types.device, default=None,
+                   help="override every level's device (cpu, cuda:0, auto)")
 
 
 def load_cascade(args):

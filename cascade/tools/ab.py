@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 
 
@@ -265,15 +266,15 @@ def add_parser(sub) -> None:
                                    "after a warm-up; report the tokens/s ratio B/A with a paired bootstrap 95% CI "
                                    "and a permutation p-value; write ab.json, summary.md and PNG plots to --out.")
     p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY)
-    p.add_argument("--a", required=True, help="policy A: NAME[:key=value,...]")
-    p.add_argument("--b", required=True, help="policy B: NAME[:key=value,...]")
+    p.add_argument("--a", required=True, type=types.policy_spec, help="policy A: NAME[:key=value,...]")
+    p.add_argument("--b", required=True, type=types.policy_spec, help="policy B: NAME[:key=value,...]")
     p.add_argument("--prompts", required=True, help="JSONL file, one object with a 'prompt' field per line")
-    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=2, help="prompts run once per arm before measuring")
+    p.add_argument("--num-prompts", type=types.positive_int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=types.positive_int, default=128)
+    p.add_argument("--repeats", type=types.positive_int, default=3)
+    p.add_argument("--temperature", type=types.temperature, default=0.0)
+    p.add_argument("--seed", type=types.seed, default=0)
+    p.add_argument("--warmup", type=types.nonnegative_int, default=2, help="prompts run once per arm before measuring")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_main)

@@ -28,12 +28,24 @@ def plain_generate(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[l
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    """Prompts from a JSONL file: one object per line with a ``prompt`` field."""
+    """Prompts from a JSONL file: one object per line with a ``prompt`` field; with ``limit``
+    (>= 1), the first ``limit`` of them."""
+    return [prompt for _, prompt in load_prompt_lines(path, limit)]
+
+
+def load_prompt_lines(path: str | Path, limit: int | None = None) -> list[tuple[int, str]]:
+    """:func:`load_prompts` with each prompt's line number (1-based) in the file."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise RequestError(f"limit: must be an integer >= 1 (got {limit!r})")
     path = Path(path)
     if not path.is_file():
         raise RequestError(f"prompts: file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"prompts: {path}: not UTF-8 text: {exc}") from None
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -42,7 +54,7 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
             raise RequestError(f"prompts: {path}:{n}: invalid JSON: {exc}") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
             raise RequestError(f"prompts: {path}:{n}: expected an object with a non-empty 'prompt' string")
-        prompts.append(obj["prompt"])
+        prompts.append((n, obj["prompt"]))
     if not prompts:
         raise RequestError(f"prompts: {path} holds no prompts")
-    return prompts[:limit] if limit else prompts
+    return prompts if limit is None else prompts[:limit]

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 
 
@@ -505,17 +506,17 @@ def add_parser(sub) -> None:
                                    "and PNG plots to --out.")
     p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY)
     p.add_argument("--prompts", default="examples/prompts/heldout.jsonl")
-    p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
+    p.add_argument("--num-prompts", type=types.positive_int, default=None)
+    p.add_argument("--max-new-tokens", type=types.positive_int, default=128)
+    p.add_argument("--repeats", type=types.positive_int, default=1)
+    p.add_argument("--prompt-lookup", type=types.positive_int, default=10, help="prompt_lookup_num_tokens for transformers")
     p.add_argument("--only", action="append", default=None,
                    help="run only configurations whose name contains this (plain always runs; repeatable)")
-    p.add_argument("--batch-sizes", default=None,
+    p.add_argument("--batch-sizes", type=types.positive_int_list, default=None,
                    help="throughput mode: comma-separated batch sizes (e.g. 1,4,16,64), plain batched decoding "
                         "vs the batched cascade")
-    p.add_argument("--policy", default=None, help="cascade policy for --batch-sizes (default: the topology's)")
-    p.add_argument("--requests", type=int, default=32,
+    p.add_argument("--policy", type=types.policy_spec, default=None, help="cascade policy for --batch-sizes (default: the topology's)")
+    p.add_argument("--requests", type=types.positive_int, default=32,
                    help="--batch-sizes: requests served at each concurrency (at least the batch size)")
     p.add_argument("--out", required=True)
     p.add_argument("--no-progress", action="store_true")
@@ -529,8 +530,7 @@ def _main(args) -> int:
     prompts = load_prompts(args.prompts, args.num_prompts)
     t0 = time.perf_counter()
     if args.batch_sizes:
-        sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
-        run_batch_bench(args.topology, prompts, sizes, args.max_new_tokens, args.policy, args.out,
+        run_batch_bench(args.topology, prompts, args.batch_sizes, args.max_new_tokens, args.policy, args.out,
                         progress=not args.no_progress, requests=args.requests, repeats=args.repeats)
         print((Path(args.out) / "batch.md").read_text())
         print(f"({time.perf_counter() - t0:.0f} s; report in {args.out})")

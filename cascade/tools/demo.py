@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 
 DEFAULT_PROMPTS = "examples/prompts/heldout.jsonl"
@@ -17,9 +18,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY)
     p.add_argument("--prompts", default=DEFAULT_PROMPTS, help="JSONL file with a 'prompt' field per line")
-    p.add_argument("--num-prompts", "-n", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--policy", default=None, help="NAME[:key=value,...] (default: the topology's)")
+    p.add_argument("--num-prompts", "-n", type=types.positive_int, default=4)
+    p.add_argument("--max-new-tokens", type=types.positive_int, default=96)
+    p.add_argument("--policy", type=types.policy_spec, default=None, help="NAME[:key=value,...] (default: the topology's)")
     p.add_argument("--quiet", action="store_true", help="print only the table")
     p.set_defaults(func=run)
 

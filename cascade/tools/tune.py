@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 
 
@@ -63,10 +64,10 @@ def add_parser(sub) -> None:
                                    "measuring greedy tokens/s on a tuning prompt set.")
     p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY)
     p.add_argument("--prompts", default="examples/prompts/tuning.jsonl")
-    p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--max-lookahead", type=int, default=8)
-    p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--num-prompts", type=types.positive_int, default=None)
+    p.add_argument("--max-new-tokens", type=types.positive_int, default=64)
+    p.add_argument("--max-lookahead", type=types.positive_int, default=8)
+    p.add_argument("--passes", type=types.positive_int, default=2)
     p.add_argument("--path", default=None, help="comma-separated levels ending at the authority (default: the longest)")
     p.add_argument("--out", default=None, help="write the result and every trial as JSON here")
     p.set_defaults(func=_main)

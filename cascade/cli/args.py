@@ -1,0 +1,96 @@
+"""Argument types shared by every subcommand, and the parser class that reports a bad value.
+
+A bad value is refused while the command line is parsed, before any model loads: one line on
+stderr, ``cascade <command>: error: argument --repeats: must be an integer >= 1 (got '0')``,
+and exit status 2 (:class:`Parser`). The checks are the API's (:mod:`cascade.validation`), so
+the command line and ``Cascade.generate`` accept the same values (ints, finite floats, the
+same ranges and device names).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from typing import Callable, NoReturn
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage block) with exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _integer(minimum: int, below: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer (got {text!r})") from None
+        if value < minimum or (below is not None and value >= below):
+            bound = f">= {minimum}" if below is None else f"in [{minimum}, {below})"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound} (got {text!r})")
+        return value
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+positive_int = _integer(1)
+nonnegative_int = _integer(0)
+seed = _integer(0, 2**63)
+
+
+def _number(check: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a finite number (got {text!r})") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"must be {what} (got {text!r})")
+        return value
+    parse.__name__ = what
+    return parse
+
+
+temperature = _number(lambda v: v >= 0, "a number >= 0 (0 = greedy)")
+top_p = _number(lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
+def positive_int_list(text: str) -> list[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]``; every item an integer >= 1, at least one."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1 (got {text!r})")
+    try:
+        return [positive_int(x) for x in items]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1 (got {text!r})") from None
+
+
+def device(text: str) -> str:
+    from cascade.validation import DEVICE_PATTERN  # imported late: `cascade --help` stays cheap
+
+    if not re.fullmatch(DEVICE_PATTERN, text):
+        raise argparse.ArgumentTypeError(f"must be auto, cpu or cuda:N (got {text!r})")
+    return text
+
+
+def nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must be a non-empty string")
+    return text
+
+
+def policy_spec(text: str) -> str:
+    """``NAME[:key=value,...]``, checked by building the policy (its graph is checked later,
+    when it is bound to the topology); returned as given."""
+    from policies import PolicyError, make_policy, parse_policy_spec
+
+    try:
+        make_policy(*parse_policy_spec(text))
+    except PolicyError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (got {text!r})") from None
+    return text

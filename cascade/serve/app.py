@@ -1,0 +1,249 @@
+"""The FastAPI app: OpenAI-compatible routes over a :class:`~cascade.serve.server.Server`.
+
+``build_app(server)`` returns the app; every route finds its server at
+``request.app.state.server``, so a host that builds the server later (a Ray Serve ingress
+replica) installs it there: ``app.state.server = Server(...)``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (200, or 503 when the engine loop is not running or the authority is down) and
+``GET /metrics`` (Prometheus text). Streaming answers are server-sent events, one
+``data: {json}`` chunk per engine step that committed text, then ``data: [DONE]``. Every
+error is ``{"error": {"message", "type", "param", "code"}}``; see :mod:`cascade.serve.protocol`
+for what is refused.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from cascade.api import _settled
+from cascade.errors import RequestError
+from cascade.serve import protocol as proto
+from cascade.serve.server import Job, Overloaded, Server, Unavailable
+
+# how often a non-streaming handler checks whether its client is still there
+_DISCONNECT_POLL_S = 0.5
+
+
+def build_app(server: Server | None = None) -> FastAPI:
+    """The app; ``server`` is installed as ``app.state.server`` (or install it later)."""
+    app = FastAPI(title="cascade", description="OpenAI-compatible server over an exact speculative cascade")
+    app.state.server = server
+    app.add_exception_handler(proto.ApiError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _http_error)
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    return app
+
+
+# -- routes -------------------------------------------------------------------------------------
+
+
+async def completions(request: Request) -> Response:
+    server = _server(request)
+    req = await _parse(request, proto.CompletionRequest, server)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    job = _submit(server, req, req.prompt, max_tokens, "max_tokens", "prompt")
+    return await _respond(request, server, req, job, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    server = _server(request)
+    req = await _parse(request, proto.ChatRequest, server)
+    try:
+        prompt = server.chat_prompt([m.as_template_input() for m in req.messages])
+    except RequestError as exc:
+        raise proto.request_error(exc, "messages") from None
+    max_tokens, field = req.limit
+    if max_tokens is None:  # up to the authority's context (the batch stops there)
+        max_tokens = server.cascade.engine.context_length or 1024
+    job = _submit(server, req, prompt, max_tokens, field, "messages")
+    return await _respond(request, server, req, job, chat=True)
+
+
+async def models(request: Request) -> dict[str, Any]:
+    server = _server(request)
+    return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                        "owned_by": "cascade", "root": server.model_name}]}
+
+
+async def health(request: Request) -> Response:
+    server = request.app.state.server
+    if server is None:
+        return JSONResponse({"status": "no server installed"}, status_code=503)
+    ok, info = server.health()
+    return JSONResponse(info, status_code=200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    server = _server(request)
+    server.cached_sequences()  # refresh the gauge
+    return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+# -- request handling ---------------------------------------------------------------------------
+
+
+def _server(request: Request) -> Server:
+    server = request.app.state.server
+    if server is None:
+        raise proto.ApiError(503, "the server is starting: no engine installed yet", type="service_unavailable")
+    return server
+
+
+async def _parse(request: Request, model: type, server: Server):
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise proto.ApiError(400, f"request body: malformed JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise proto.ApiError(400, f"request body: expected a JSON object, got {type(body).__name__}")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as exc:
+        raise proto.validation_error(exc) from None
+    if req.model is not None and req.model != server.model_name:
+        raise proto.ApiError(404, f"model: the model {req.model!r} does not exist; this server serves "
+                                  f"{server.model_name!r}", "model", type="not_found_error")
+    return req
+
+
+def _submit(server: Server, req, prompt, max_tokens: int, limit_field: str, prompt_field: str) -> Job:
+    try:
+        return server.submit(prompt, max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                             seed=req.seed, stop=req.stop)
+    except RequestError as exc:
+        err = proto.request_error(exc, prompt_field)
+        if err.param == "max_tokens" and limit_field != "max_tokens":
+            err = proto.ApiError(400, limit_field + err.message[len("max_tokens"):], limit_field)
+        raise err from None
+    except Overloaded as exc:
+        raise proto.ApiError(429, f"server overloaded: {exc}; retry later", type="rate_limit_error",
+                             extra={"retry_after": exc.retry_after}) from None
+    except Unavailable as exc:
+        raise proto.ApiError(503, f"server unavailable: {exc}", type="service_unavailable") from None
+
+
+async def _respond(request: Request, server: Server, req, job: Job, chat: bool) -> Response:
+    rid = proto.new_id(chat)
+    if req.stream:
+        return _CancellingStream(_sse(server, req, job, rid, chat), lambda: server.cancel(job))
+    try:
+        final = await _last_update(request, server, job)
+    except asyncio.CancelledError:
+        server.cancel(job)
+        raise
+    gen = final.generation
+    if final.error is not None:
+        raise proto.ApiError(500, f"generation failed: {final.error}", type="worker_error", extra={
+            "partial": {"text": gen.text, "token_ids": gen.token_ids,
+                        "usage": proto.usage(job.prompt_tokens, len(gen.token_ids))}})
+    body = proto.envelope(rid, server.model_name, chat, False,
+                          [proto.choice(chat, False, gen.text, proto.finish_reason(gen.finish_reason))])
+    body["usage"] = proto.usage(job.prompt_tokens, len(gen.token_ids))
+    if req.return_stats:
+        body["cascade_stats"] = gen.stats.to_dict()
+    return JSONResponse(body)
+
+
+async def _last_update(request: Request, server: Server, job: Job):
+    """Wait for the request to finish; cancel it if the client goes away meanwhile."""
+    while True:
+        try:  # (a cancelled Queue.get loses nothing; a cancelled async generator would end)
+            update = await asyncio.wait_for(job.queue.get(), _DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                server.cancel(job)
+                raise proto.ApiError(499, "client disconnected") from None
+            continue
+        if update.finish_reason is not None:
+            return update
+
+
+async def _sse(server: Server, req, job: Job, rid: str, chat: bool) -> AsyncIterator[str]:
+    """The stream: a chunk per step that committed text (held back, as ``Cascade.stream``
+    does, while it may still become a stop string or is an incomplete UTF-8 character)."""
+    cascade, model = server.cascade, server.model_name
+    ids: list[int] = []
+    sent = 0
+    if chat:  # OpenAI's first chat chunk announces the role
+        yield _event(proto.envelope(rid, model, chat, True, [proto.choice(chat, True, "", None, first=True)]))
+    async for update in job.updates():
+        ids.extend(update.tokens)
+        text = cascade._text(ids, job.stops)
+        safe = len(text) if update.finish_reason else _settled(text, job.stops)
+        if update.error is not None:
+            if safe > sent:
+                yield _event(proto.envelope(rid, model, chat, True, [proto.choice(chat, True, text[sent:safe], None)]))
+            yield _event(proto.ApiError(500, f"generation failed: {update.error}", type="worker_error").body())
+            break
+        if update.finish_reason is not None:
+            yield _event(_last_chunk(req, rid, model, chat, text[sent:], update))
+        elif safe > sent:
+            yield _event(proto.envelope(rid, model, chat, True, [proto.choice(chat, True, text[sent:safe], None)]))
+            sent = safe
+    else:
+        if req.include_usage:
+            tokens = len(update.generation.token_ids)
+            chunk = proto.envelope(rid, model, chat, True, [])
+            chunk["usage"] = proto.usage(job.prompt_tokens, tokens)
+            yield _event(chunk)
+    yield "data: [DONE]\n\n"
+
+
+def _last_chunk(req, rid: str, model: str, chat: bool, text: str, update) -> dict[str, Any]:
+    reason = proto.finish_reason(update.finish_reason)
+    chunk = proto.envelope(rid, model, chat, True, [proto.choice(chat, True, text if text or not chat else None,
+                                                                 reason)])
+    if req.return_stats:
+        chunk["cascade_stats"] = update.generation.stats.to_dict()
+    return chunk
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+class _CancellingStream(StreamingResponse):
+    """A streamed answer that cancels its request however the stream ends (a client that
+    disconnects makes Starlette cancel the body; ``on_close`` then frees the request's place
+    and caches at the next engine step). Cancelling a finished request does nothing."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+async def _api_error(request: Request, exc: proto.ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(exc.extra["retry_after"])} if exc.status == 429 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (unknown route, wrong method) in the OpenAI error shape."""
+    status = getattr(exc, "status_code", 400)
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    detail = getattr(exc, "detail", None) or str(exc)
+    return JSONResponse(proto.ApiError(status, f"{request.method} {request.url.path}: {detail}", type=kind).body(),
+                        status_code=status)

@@ -1,0 +1,55 @@
+"""``cascade serve``: the OpenAI-compatible server, embedded (FastAPI + uvicorn, one process)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the topology over an OpenAI-compatible HTTP API",
+                       description="Serve POST /v1/completions, POST /v1/chat/completions, GET /v1/models, "
+                                   "GET /health and GET /metrics with one continuously batched cascade.")
+    p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY, help=f"topology file (default {DEFAULT_TOPOLOGY})")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="most requests in the batch at once (default 16)")
+    p.add_argument("--max-queued", type=int, default=64,
+                   help="most requests waiting for a place; more are refused with 429 (default 64)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template (default: the authority tokenizer's)")
+    p.add_argument("--policy", default=None, help="NAME[:key=value,...], e.g. fixed:lookahead=4")
+    p.add_argument("--device", default=None, help="override every level's device (cpu, cuda:0, auto)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients name (default: the topology's name)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=serve)
+
+
+@guarded
+def serve(args) -> int:
+    import uvicorn
+
+    from cascade.cli.commands import load_cascade
+    from cascade.errors import RequestError
+    from cascade.serve.app import build_app
+    from cascade.serve.server import Server
+
+    template = None
+    if args.chat_template:
+        try:
+            template = Path(args.chat_template).read_text()
+        except OSError as exc:
+            raise RequestError(f"chat-template: cannot read {args.chat_template}: {exc}") from None
+    cascade = load_cascade(args)
+    try:
+        server = Server(cascade, model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+                        max_queued=args.max_queued, chat_template=template)
+    except BaseException:
+        cascade.close()
+        raise
+    try:
+        server.start()
+        uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        server.close()
+    return 0

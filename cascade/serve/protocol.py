@@ -1,0 +1,236 @@
+"""OpenAI request and response shapes, and the error body every failure is sent as.
+
+Requests are validated here for *shape* (types, known fields, ``n``); the *meaning* of the
+sampling parameters and the prompt (ranges, context length) is checked by cascade itself
+(``Cascade.request`` raises :class:`cascade.errors.RequestError`), and both end up as the same
+OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}``.
+
+Unknown fields are refused (400, naming the field), as OpenAI's own API does: a typo such as
+``max_token`` would otherwise silently fall back to a default. OpenAI fields cascade does not
+implement (``logprobs``, ``echo``, ``presence_penalty``, ...) are accepted at their neutral
+value and refused otherwise.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# cascade's parameter names -> the request fields they come from
+PARAM_NAMES = {"max_new_tokens": "max_tokens"}
+
+
+class ApiError(Exception):
+    """An error to send as an OpenAI-style body with ``status``; ``param`` names the field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 extra: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.extra = extra or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status,
+                          **self.extra}}
+
+
+def request_error(exc: Exception, prompt_field: str = "prompt") -> ApiError:
+    """A :class:`cascade.errors.RequestError` ("param: message") -> a 400 naming the HTTP field."""
+    text = str(exc)
+    param, sep, _ = text.partition(":")
+    param = param.strip() if sep and " " not in param.strip() else None
+    if param is not None:
+        name = prompt_field if param == "prompt" else PARAM_NAMES.get(param, param)
+        if name != param:
+            text = name + text[len(param):]
+        param = name
+    return ApiError(400, text, param)
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """The first pydantic error, as a 400 whose ``param`` is the field's dotted path. Where a
+    field takes one of several types, the message lists them instead of one member's failure."""
+    errors = exc.errors()
+    loc = errors[0]["loc"]
+    cut = next((i for i, part in enumerate(loc) if _is_type_tag(part)), len(loc))
+    param = ".".join(str(p) for p in loc[:cut]) or None
+    err = errors[0]
+    if cut < len(loc):  # a union: name the types it takes
+        tags = [str(e["loc"][cut]) for e in errors if e["loc"][:cut] == loc[:cut] and len(e["loc"]) > cut]
+        msg = "expected " + " or ".join(dict.fromkeys(tags))
+        err = {"type": "union", "input": _input_at(errors[0], cut, len(loc))}
+    elif err["type"] == "extra_forbidden":
+        msg = "unknown field (this server refuses fields it does not know)"
+    else:
+        msg = err["msg"].removeprefix("Value error, ")
+    got = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err.get('input')!r})"
+    return ApiError(400, f"{param}: {msg}{got}" if param else f"{msg}{got}", param)
+
+
+def _is_type_tag(part: Any) -> bool:
+    """Pydantic puts the member type of a union in the error location (``str``,
+    ``list[int]``, ``TextPart``); field names are snake_case and indices are ints."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or not part.islower()
+                                      or not part.replace("_", "").isalnum())
+
+
+def _input_at(err: dict, cut: int, depth: int) -> Any:
+    # the error's input is the innermost failing value; past the tag it is a part of the field's
+    return err.get("input") if depth == cut + 1 else "..."
+
+
+class _Strict(BaseModel):
+    # strict: "5" is not an int, 1.5 is not an int, true is not a number
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+def _neutral(*neutral: Any):
+    """A validator that accepts only the values meaning "off" for a field cascade does not implement."""
+    def check(cls, v):
+        if v is not None and (v not in neutral or isinstance(v, bool) != isinstance(neutral[-1], bool)):
+            raise ValueError(f"not supported by cascade (only {neutral[-1]!r})")
+        return v
+    return classmethod(check)
+
+
+class _Common(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(None, description="the served model's id (GET /v1/models); unset: that one")
+    temperature: float | None = Field(None, description="unset: the topology's default")
+    top_p: float | None = None
+    top_k: int | None = Field(None, description="extension (vLLM's): 0 = off")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as OpenAI's own attribution field
+    return_stats: bool = Field(False, description="extension: add cascade's per-request statistics")
+    # OpenAI fields cascade does not implement, accepted at their neutral value only
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    _penalties = field_validator("presence_penalty", "frequency_penalty")(_neutral(None, 0.0))
+    _logit_bias = field_validator("logit_bias")(_neutral(None, {}))
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = Field(16, description="OpenAI's default: 16")
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    _echo = field_validator("echo")(_neutral(False))
+    _logprobs = field_validator("logprobs")(_neutral(None))
+    _best_of = field_validator("best_of")(_neutral(None, 1))
+    _suffix = field_validator("suffix")(_neutral(None))
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):  # text parts are joined; other part types are refused above
+            content = "".join(p.text for p in content)
+        out = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatRequest(_Common):
+    """``POST /v1/chat/completions``: ``messages`` go through the chat template."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, description="unset: up to the authority's context")
+    max_completion_tokens: int | None = Field(None, description="OpenAI's newer name; wins over max_tokens")
+    logprobs: bool | None = None
+
+    _logprobs = field_validator("logprobs")(_neutral(None, False))
+
+    @property
+    def limit(self) -> tuple[int | None, str]:
+        """The token limit asked for, and the field it came from (for errors)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+# -- responses -------------------------------------------------------------------------------
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """cascade's finish reasons -> OpenAI's: EOS and stop strings are "stop", the token limit
+    and the context end are "length"."""
+    if reason is None:
+        return None
+    return {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}.get(reason, reason)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def envelope(rid: str, model: str, chat: bool, chunk: bool, choices: list[dict]) -> dict[str, Any]:
+    obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
+
+
+def choice(chat: bool, chunk: bool, text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+    """One choice: the whole answer (``chunk=False``) or one streamed piece of it."""
+    if not chat:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+    if not chunk:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason}
+    delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    if text is not None:
+        delta["content"] = text
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}

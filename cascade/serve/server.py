@@ -1,0 +1,330 @@
+"""The engine loop of a server: one thread owns one :class:`~cascade.engine.Batch` and steps it.
+
+    handlers (asyncio)                       engine thread
+    Server.submit() ── waiting queue ──▶     admit up to max_num_seqs → batch.add
+    Server.cancel() ── flag ──────────▶     mark cancelled → released by the next step
+    Job.updates()   ◀── call_soon_threadsafe ── batch.step() → each request's new tokens
+
+The event loop never runs a forward pass and the engine thread never touches a socket: tokens
+cross over as :class:`Update` objects put into each request's ``asyncio.Queue`` with
+``loop.call_soon_threadsafe``. Admission is bounded: a request that finds more than
+``max_queued`` others waiting (beyond the batch's free places) is refused with
+:class:`Overloaded` (HTTP 429).
+
+A worker failure (:class:`~cascade.errors.WorkerError`) ends the requests of the failing step
+with an error that carries what they had committed; the loop goes on with the rest. Any other
+exception kills the loop: every request in flight ends with an error, ``/health`` says 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+from cascade.api import Cascade, Generation, _stop_list
+from cascade.engine import RequestState
+from cascade.errors import RequestError, WorkerError
+from cascade.serve.metrics import Metrics, RecordingPolicy
+from policies import Policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Update:
+    """What one engine step committed for one request. The last update of a request has
+    ``finish_reason`` (cascade's: length, eos, stop, context, error, cancelled) and
+    ``generation`` (the result, cut at a stop string); ``error`` says why it failed, if it did."""
+
+    tokens: list[int]
+    finish_reason: str | None = None
+    generation: Generation | None = None
+    error: str | None = None
+
+
+class Overloaded(Exception):
+    """Too many requests waiting; retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Unavailable(Exception):
+    """The engine loop is not running (closed, or died on an unexpected error)."""
+
+
+class Job:
+    """One request between its handler and the engine thread."""
+
+    def __init__(self, state: RequestState, prompt: Any, stops: list[str], loop: asyncio.AbstractEventLoop):
+        self.state = state
+        self.prompt = prompt
+        self.stops = stops
+        self.loop = loop
+        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        self.arrived = time.perf_counter()
+        self.last_commit: float | None = None
+        self.sent = 0  # tokens of state.generated handed over so far
+        self.cancelled = False  # set by the handler's side; read by the engine thread
+        self.done = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.state.request.prompt_ids)
+
+    def push(self, update: Update) -> None:
+        if update.finish_reason is not None:
+            self.done = True
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+        except RuntimeError:  # the handler's event loop is gone (shutdown): nobody to tell
+            pass
+
+    async def updates(self) -> AsyncIterator[Update]:
+        """The request's updates as they come, ending with the one that has ``finish_reason``."""
+        while True:
+            update = await self.queue.get()
+            yield update
+            if update.finish_reason is not None:
+                return
+
+
+class Server:
+    """Owns one :class:`~cascade.api.Cascade` and the thread that steps its batch.
+
+    ``policy`` overrides the topology's for the served batch. Call :meth:`start` before
+    submitting and :meth:`close` at the end (it also closes the cascade).
+    """
+
+    def __init__(self, cascade: Cascade, *, model_name: str | None = None, max_num_seqs: int = 16,
+                 max_queued: int = 64, chat_template: str | None = None, policy: Policy | None = None):
+        if max_num_seqs < 1 or max_queued < 0:
+            raise RequestError(f"max_num_seqs: need max_num_seqs >= 1 and max_queued >= 0, "
+                               f"got {max_num_seqs}, {max_queued}")
+        self.cascade = cascade
+        topo = cascade.topology
+        self.model_name = model_name or topo.spec.name or topo.source.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+        self.max_num_seqs = max_num_seqs
+        self.max_queued = max_queued
+        self.chat_template = chat_template
+        self.metrics = Metrics(list(topo.graph.edges))
+        self.batch = cascade.batch(RecordingPolicy(policy or cascade.engine.policy, self.metrics))
+        self.steps = 0
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: dict[str, Job] = {}
+        self._wake = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.dead: str | None = None  # why the engine loop stopped, if it did not stop on close()
+        self.authority_error: str | None = None  # the authority's last failure, until a step succeeds
+
+    # -- the handlers' side (event loop) -------------------------------------------------------
+
+    def start(self) -> "Server":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="cascade-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, prompt: str | Sequence[int], max_new_tokens: int, *, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+               stop: str | Sequence[str] | None = None) -> Job:
+        """Validate a request and queue it for the batch; call from the event loop whose queue
+        receives the updates. Raises RequestError (bad input), Overloaded or Unavailable."""
+        if not self.alive:
+            raise Unavailable(self.dead or "the server is shutting down")
+        stops = _stop_list(stop)
+        if stops or isinstance(prompt, str):
+            self.cascade._need_tokenizer()
+        if not isinstance(prompt, str):
+            self._check_token_ids(prompt)
+        state = self.cascade.request(prompt, max_new_tokens, temperature, top_k, top_p, seed)
+        job = Job(state, prompt, stops, asyncio.get_running_loop())
+        with self._wake:
+            free = max(0, self.max_num_seqs - len(self._running))
+            if len(self._waiting) >= self.max_queued + free:
+                raise Overloaded(f"{len(self._waiting)} requests are waiting (max_queued={self.max_queued})")
+            self._waiting.append(job)
+            self.metrics.waiting.set(len(self._waiting))
+            self._wake.notify()
+        return job
+
+    def _check_token_ids(self, ids: Sequence[int]) -> None:
+        # an id past the embedding table would fail the whole step of every batched request
+        vocab = self.cascade.workers[self.cascade.topology.authority].vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone: the request leaves the batch (caches released) at the next step."""
+        if not job.done:
+            job.cancelled = True
+            with self._wake:
+                self._wake.notify()
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+        """Messages -> the prompt text, by the chat template (``--chat-template`` or the authority
+        tokenizer's), with the generation prompt. The text is tokenized without special tokens
+        added, so a template that writes BOS gets exactly one."""
+        tokenizer = self.cascade._need_tokenizer()
+        template = self.chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise RequestError("messages: this model has no chat template; start the server with "
+                               "--chat-template FILE (a Jinja template) or use /v1/completions")
+        try:
+            return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as exc:  # the template's own checks (e.g. role order) raise from Jinja
+            raise RequestError(f"messages: the chat template refused them: {exc}") from None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closing
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """(healthy, details): unhealthy when the loop is not running or the authority is down."""
+        cached = self.cached_sequences()
+        info = {"status": "ok", "model": self.model_name, "running": len(self._running),
+                "waiting": len(self._waiting), "steps": self.steps, "cached_sequences": cached}
+        if not self.alive:
+            info["status"] = "engine loop stopped: " + (self.dead or "shutting down")
+        elif self.authority_error:
+            info["status"] = "authority down: " + self.authority_error
+        return info["status"] == "ok", info
+
+    def cached_sequences(self) -> dict[str, int]:
+        """Per level, the sequences it holds a cache for, where the level can tell (debug)."""
+        out = {}
+        for name, worker in self.cascade.workers.items():
+            count = _cached_count(worker)
+            if count is not None:
+                out[name] = count
+                self.metrics.cached.labels(level=name).set(count)
+        return out
+
+    def close(self) -> None:
+        """Stop the loop, end what is in flight, close the cascade. Idempotent."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
+        self._end_all("the server is shutting down")
+        self.cascade.close()
+
+    # -- the engine thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while self._admit():
+                self._drop_cancelled()
+                if self.batch.active:
+                    self._step()
+        except BaseException as exc:  # a bug, not a worker failure: nothing can be trusted now
+            log.exception("engine loop died")
+            self.dead = f"{type(exc).__name__}: {exc}"
+            self._end_all(f"the engine loop died: {self.dead}")
+
+    def _admit(self) -> bool:
+        """Wait for work; move waiting requests into the batch while it has room. False: closing."""
+        with self._wake:
+            while not self._closing and not self._waiting and not self.batch.active:
+                self._wake.wait()
+            if self._closing:
+                return False
+            while self._waiting and len(self.batch.active) < self.max_num_seqs:
+                job = self._waiting.popleft()
+                if job.cancelled:
+                    job.push(Update([], "cancelled"))
+                    continue
+                self.batch.add(job.state)
+                self._running[job.state.seq_id] = job
+                self.metrics.prompt_tokens.inc(job.prompt_tokens)
+            self.metrics.waiting.set(len(self._waiting))
+            self.metrics.running.set(len(self.batch.active))
+        return True
+
+    def _drop_cancelled(self) -> None:
+        # Marked finished, the request is retired by the next step, which releases its caches
+        # in every level (Batch.step retires finished requests before it runs).
+        for job in self._running.values():
+            if job.cancelled and job.state.finish_reason is None:
+                job.state.finish_reason = "cancelled"
+
+    def _step(self) -> None:
+        failure = None
+        try:
+            self.batch.step()
+            self.authority_error = None
+        except WorkerError as exc:
+            failure = exc
+            log.warning("level %s failed; ending the requests of its step: %s", exc.level, exc)
+            if exc.level is None or exc.level == self.cascade.topology.authority:
+                self.authority_error = f"level {exc.level!r}: {exc}"
+        self.steps += 1
+        self._dispatch(failure)
+
+    def _dispatch(self, failure: WorkerError | None) -> None:
+        """Hand each request what the step committed; finish the finished ones."""
+        now = time.perf_counter()
+        for seq_id, job in list(self._running.items()):
+            state = job.state
+            new = state.generated[job.sent:]
+            job.sent = len(state.generated)
+            if new:
+                self._observe_commit(job, len(new), now)
+                # as Cascade does after each step: a stop string ends the request (and wins
+                # over the reason the step gave)
+                if job.stops and any(s in self.cascade._decode(state.generated) for s in job.stops):
+                    state.finish_reason = "stop"
+            reason = state.finish_reason
+            if reason is None:
+                if new:
+                    job.push(Update(new))
+                continue
+            del self._running[seq_id]
+            self.metrics.e2e.observe(now - job.arrived)
+            error = f"level {failure.level!r} failed: {failure}" if reason == "error" and failure else None
+            job.push(Update(new, reason, self.cascade._result(job.prompt, state, job.stops), error))
+        self.metrics.running.set(len(self.batch.active))
+
+    def _observe_commit(self, job: Job, count: int, now: float) -> None:
+        if job.last_commit is None:
+            self.metrics.ttft.observe(now - job.arrived)
+        else:
+            self.metrics.itl.observe(now - job.last_commit)
+        job.last_commit = now
+        self.metrics.generation_tokens.inc(count)
+
+    def _end_all(self, message: str) -> None:
+        """End every request still in flight with an error (shutdown, or the loop died)."""
+        with self._wake:
+            jobs = list(self._running.values()) + list(self._waiting)
+            self._running.clear()
+            self._waiting.clear()
+        for job in jobs:
+            if not job.done:
+                job.state.finish_reason = job.state.finish_reason or "error"
+                job.push(Update([], "error", self.cascade._result(job.prompt, job.state, job.stops), message))
+        try:
+            self.batch.close()
+        except Exception:  # a broken worker must not stop the shutdown
+            log.exception("closing the batch")
+
+
+def _cached_count(worker) -> int | None:
+    """How many sequences a transformers worker holds caches for (its solo caches and its
+    pooled rows); None for a worker that cannot say (n-gram, remote, custom).
+    (Reads the worker's internals: a public ``Worker`` method for this would be better.)"""
+    caches = getattr(worker, "_caches", None)
+    if not isinstance(caches, dict):
+        return None
+    pool = getattr(worker, "_pool", None)
+    rows = getattr(pool, "row_of", None) if pool else None
+    return len(caches) + (len(rows) if isinstance(rows, dict) else 0)
