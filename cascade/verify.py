@@ -91,7 +91,7 @@ def verify_block(
     target_probs: torch.Tensor,  # [n + 1, vocab]
     uniforms: torch.Tensor,  # [n + 1]: n accept/reject draws, then one for the emitted token
 ) -> Verdict:
-    """Verify one proposed block with the exact rule (DESIGN.md §2).
+    """Verify one proposed block with the exact rule (cascade/DESIGN.md §2).
 
     1. Accept ``x_j`` with probability ``min(1, target[j, x_j] / draft[j, x_j])``, in order.
     2. At the first rejection ``j``: emit a recovered token from

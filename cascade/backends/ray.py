@@ -7,11 +7,11 @@ actors are created) that builds the level's worker with :func:`cascade.api.build
 does not know where a level runs. :class:`RayBackend` places the actors in one placement group,
 supervises them and removes everything it created on :meth:`RayBackend.close`.
 
-Wire cost (DESIGN.md §4). Per call the driver sends the tokens the actor has not seen yet (the
+Wire cost (cascade/DESIGN.md §4). Per call the driver sends the tokens the actor has not seen yet (the
 actor keeps the last sequence it was sent; after a restart it asks for the whole sequence once)
 and the actor answers with sampling rows, not logits: warping happens next to the model and only
 the nonzero entries travel, so a greedy row is one (index, value) pair. Verification needs
-exactly those rows (DESIGN.md §2); nothing is rounded, so results are bit-identical to the
+exactly those rows (cascade/DESIGN.md §2); nothing is rounded, so results are bit-identical to the
 in-process backend. Messages are plain tuples of ints and bytes, which Ray pickles fastest.
 A level with a stop rule gets logits instead (the rule reads the model's own distribution).
 
@@ -27,9 +27,11 @@ import dataclasses
 import logging
 import math
 import os
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -397,6 +399,7 @@ class RayBackend(Backend):
     placement_group: Any
     owns_runtime: bool
     actors: dict[str, Any] = field(default_factory=dict)
+    private_token: bool = False  # this process set RAY_AUTH_TOKEN for its private runtime
 
     @classmethod
     def start(cls, topo: Topology, address: str | None = None, device: str | None = None) -> "RayBackend":
@@ -408,10 +411,10 @@ class RayBackend(Backend):
         # cascade compute one at a time, so on one machine they can share its cores.
         wanted = sum(lv.resources.num_cpus for lv in topo.spec.levels)
         try:
-            owns = _connect(address, spec.namespace, max(os.cpu_count() or 1, math.ceil(wanted)))
+            owns, private_token = _connect(address, spec.namespace, max(os.cpu_count() or 1, math.ceil(wanted)))
         except ConnectionError as exc:
             raise TopologyError(f"{topo.source}: ray.address: cannot connect to Ray at {address!r}: {exc}") from None
-        backend = cls({}, None, owns)
+        backend = cls({}, None, owns, private_token=private_token)
         try:
             backend._place(topo, device)
         except BaseException:
@@ -544,28 +547,76 @@ class RayBackend(Backend):
         if self.owns_runtime:
             ray.shutdown()
             self.owns_runtime = False
+        if self.private_token:
+            _drop_private_token()
+            self.private_token = False
 
 
-def _connect(address: str | None, namespace: str | None, local_cpus: int) -> bool:
-    """Make sure this process is connected to Ray; True when cascade started (owns) the runtime.
+def _connect(address: str | None, namespace: str | None, local_cpus: int) -> tuple[bool, bool]:
+    """Make sure this process is connected to Ray. Returns (cascade started or joined the runtime
+    and must disconnect on close, this process set a private auth token that close must drop).
 
     A process already connected (the caller's own ``ray.init``) is used as it is.
     """
     import ray
 
     if ray.is_initialized():
-        return False
+        return False, False
     if address is None:
         address = "auto" if os.environ.get("RAY_ADDRESS") else "local"
     kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": True}
     if address == "local":
+        private_token = _set_private_token()
         # A private runtime on this machine, reachable on loopback only. Its actors are the
         # work itself, not background tasks: Ray's default (workers niced by 15) would let any
         # other process on the machine starve the models while the driver waits on them.
-        ray.init(address="local", num_cpus=local_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 _system_config={"worker_niceness": 0}, **kwargs)
-        return True
+        try:
+            ray.init(address="local", num_cpus=local_cpus, include_dashboard=False,
+                     _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0}, **kwargs)
+        except BaseException:
+            if private_token:
+                _drop_private_token()
+            raise
+        return True, private_token
     ray.init(address=address, **kwargs)
     # Connected to a cluster someone else runs: disconnect on close, never shut it down. A
     # disconnect is all ray.shutdown() does for a driver that joined an existing cluster.
+    return True, False
+
+
+def _set_private_token() -> bool:
+    """Give a private runtime an auth token that lives in this process's environment only; True
+    when it set one.
+
+    Why: Ray 2.60 turns token authentication on for every runtime ``ray.init`` starts and, when
+    no token exists, writes one to ``~/.ray/auth_token``. That file outlives the runtime and
+    changes the machine: a later ``ray start --head`` finds it and requires the token, which
+    ``ray job submit`` (RAY_AUTH_MODE unset) does not send, so the README's cluster steps fail
+    with an AuthenticationError. The runtime's own processes inherit the variable, so it keeps
+    token authentication all the same. A token the user has (the variables or the file Ray
+    reads) or ``RAY_AUTH_MODE=disabled`` is left to Ray.
+    """
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        return False
+    if (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+            or (Path.home() / ".ray" / "auth_token").exists()):
+        return False
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # 256 bits, as Ray's own tokens
+    _reset_token_cache()
     return True
+
+
+def _drop_private_token() -> None:
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    _reset_token_cache()  # the next private runtime gets a token of its own
+
+
+def _reset_token_cache() -> None:
+    # Ray's token loader caches the first token it read; without a reset a second private
+    # runtime in this process would be sent the first one's token.
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError):  # another Ray version: nothing cached this way
+        pass
