@@ -69,8 +69,6 @@ class LevelSpec(BaseModel):
             raise ValueError("an 'hf' level needs a 'model' (hub id or path)")
         if self.kind == "ngram" and self.model:
             raise ValueError("an 'ngram' level takes no 'model'")
-        if self.kind == "ngram" and set(self.params) - {"max_ngram", "min_ngram"}:
-            raise ValueError(f"ngram params are max_ngram and min_ngram, got {sorted(self.params)}")
         return self
 
 
@@ -201,10 +199,30 @@ def topology_from_dict(
     except ValidationError as exc:
         raise TopologyError(f"{source}: {_describe(exc, data)}") from None
     graph, authority = build_graph(spec, source)
+    check_params(spec, graph, authority, source)
     topo = Topology(spec, graph, authority, source, Path(base_dir))
     if check_models:
         check_model_files(topo)
     return topo
+
+
+def check_params(spec: TopologySpec, graph: nx.DiGraph, authority: str, source: str = "<spec>") -> None:
+    """The policy (its name, its parameters, and how they fit the graph) and the n-gram levels'
+    parameters, checked as loading will use them, before any model loads."""
+    from policies import PolicyError, from_spec
+    from workers.ngram import NGramParams
+
+    for i, level in enumerate(spec.levels):
+        if level.kind == "ngram":
+            try:
+                NGramParams.model_validate(level.params)
+            except ValidationError as exc:
+                sep = "." if exc.errors()[0]["loc"] else ": "
+                raise TopologyError(f"{source}: levels[{i}].params{sep}{_describe(exc, level.params)}") from None
+    try:
+        from_spec(spec.policy.model_dump()).bind(graph, authority)
+    except PolicyError as exc:
+        raise TopologyError(f"{source}: policy.{exc}") from None
 
 
 def build_graph(spec: TopologySpec, source: str = "<spec>") -> tuple[nx.DiGraph, str]:

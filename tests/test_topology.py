@@ -124,7 +124,7 @@ def test_policy_params_checked_against_the_graph(tmp_path):
 
     data = {"levels": [table_level("a"), table_level("b")],
             "policy": {"name": "fixed", "params": {"lookahead": {"zz": 3}}}}
-    with pytest.raises(TopologyError, match=r"policy\.lookahead: unknown level"):
+    with pytest.raises(TopologyError, match=r"policy\.params\.lookahead: unknown level"):
         Cascade.from_topology(write_topology(tmp_path / "p.yaml", data))
     data["policy"] = {"name": "nosuch"}
     with pytest.raises(TopologyError, match=r"policy\.name: unknown policy 'nosuch'"):

@@ -5,24 +5,55 @@ topology that makes it a verifier is rejected at load time.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Annotated, Sequence
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cascade.sampling import Sampling
 from policies.base import StopRule
 from workers.base import Draft, Worker
 
 
+def _integer(value):
+    """numpy integer scalars count as ints; a bool does not."""
+    import numbers
+
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+
+
+class NGramParams(BaseModel):
+    """An n-gram level's ``params`` in a topology file (checked when the topology loads)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_ngram: Annotated[int, Field(ge=1, strict=True)] = Field(3, description="Longest suffix to look up.")
+    min_ngram: Annotated[int, Field(ge=1, strict=True)] = Field(1, description="Shortest suffix to look up.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers(cls, data):
+        return {k: _integer(v) for k, v in data.items()} if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "NGramParams":
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
+        return self
+
+
 class NGramWorker(Worker):
     can_score = False
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"params: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        try:
+            params = NGramParams(max_ngram=max_ngram, min_ngram=min_ngram)
+        except ValidationError as exc:
+            msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ValueError(f"params: {msg} (max_ngram={max_ngram!r}, min_ngram={min_ngram!r})") from None
         self.vocab_size = vocab_size
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
+        self.max_ngram = params.max_ngram
+        self.min_ngram = params.min_ngram
 
     def score(self, seq_ids, token_ids, num_positions):
         raise TypeError("an n-gram level cannot verify; it can only propose")

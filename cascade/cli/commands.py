@@ -43,13 +43,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
 
 def load_cascade(args):
     from cascade.api import Cascade
-    from policies import make_policy, parse_policy_spec
 
-    policy = None
-    if args.policy:
-        name, params = parse_policy_spec(args.policy)
-        policy = make_policy(name, params)
-    return Cascade.from_topology(args.topology, policy=policy, device=args.device)
+    # a spec string: parsed by policies.from_spec and checked against the graph before models load
+    return Cascade.from_topology(args.topology, policy=args.policy or None, device=args.device)
 
 
 def guarded(func):

@@ -96,9 +96,9 @@ def run_ab(
     from tqdm import tqdm
 
     from cascade.api import Cascade
-    from policies import make_policy, parse_policy_spec
+    from policies import from_spec
 
-    arms = {"A": make_policy(*parse_policy_spec(a)), "B": make_policy(*parse_policy_spec(b))}
+    arms = {"A": from_spec(a), "B": from_spec(b)}
     runs: list[Run] = []
     with Cascade.from_topology(topology) as c:
         for prompt in prompts[:warmup]:  # allocation, lazy init, and first estimates for adaptive arms

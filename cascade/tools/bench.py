@@ -107,7 +107,7 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
     from cascade.api import Cascade
     from cascade.tools.baselines import plain_generate
     from cascade.topology import topology_from_dict
-    from policies import make_policy, parse_policy_spec
+    from policies import from_spec
 
     authority = topo.authority
     auth_model = workers[authority].model
@@ -138,9 +138,9 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
             edges = [list(e) for e in chain + [e for e in topo.graph.subgraph(path).edges if e not in chain]]
             sub = topology_from_dict({"levels": levels, "edges": edges}, topo.source, topo.base_dir,
                                      check_models=False)
-            cascades[path] = Cascade(sub, {n: workers[n] for n in path}, tokenizer, make_policy("fixed"))
+            cascades[path] = Cascade(sub, {n: workers[n] for n in path}, tokenizer, from_spec("fixed"))
         c = cascades[path]
-        policy = make_policy(*parse_policy_spec(policy_spec))
+        policy = from_spec(policy_spec)
 
         def run(ids: list[int], n: int):
             g = c.generate(ids, max_new_tokens=n, temperature=0.0, policy=policy)
@@ -413,7 +413,7 @@ def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], m
     from tqdm import tqdm
 
     from cascade.api import Cascade
-    from policies import make_policy, parse_policy_spec
+    from policies import from_spec
 
     rows = []
     with Cascade.from_topology(topology) as c:
@@ -421,7 +421,7 @@ def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], m
         tok = c.tokenizer
         eos = tok.eos_token_id
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-        pol = make_policy(*parse_policy_spec(policy)) if policy else None
+        pol = from_spec(policy) if policy else None
 
         def plain(batch: list[str], size: int) -> tuple[int, float, float]:
             """(tokens, seconds, mean latency per request) serving ``batch`` in batches of ``size``; a

@@ -31,11 +31,9 @@ def run(args) -> int:
     from cascade.api import Cascade
     from cascade.tools.baselines import load_prompts, plain_generate
     from cascade.stats import RequestStats
-    from policies import make_policy, parse_policy_spec
 
     prompts = load_prompts(args.prompts, args.num_prompts)
-    policy = make_policy(*parse_policy_spec(args.policy)) if args.policy else None
-    with Cascade.from_topology(args.topology, policy=policy) as c:
+    with Cascade.from_topology(args.topology, policy=args.policy or None) as c:
         authority = c.workers[c.topology.authority]
         model = getattr(authority, "model", None)
         if model is None:
