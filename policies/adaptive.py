@@ -149,7 +149,7 @@ class CostAwarePolicy(_PathMixin, Policy):
     From measured acceptance per draft position and the measured cost of each level's passes
     (a fixed cost per pass plus a cost per position scored, fitted from every call: see
     ``LevelCost``), it picks the k that minimises expected seconds per emitted token on each
-    edge (docs/design.md, 'The speedup equation', composed up the hierarchy: see
+    edge (cascade/DESIGN.md §4, the speedup equation, composed up the hierarchy: see
     ``Estimates.path_cost``), and explores a random k on one edge with probability ``explore``
     (decaying as ``explore * 200 / (200 + steps)``).
 

@@ -277,8 +277,8 @@ class Estimates:
     def path_cost(self, path: tuple[str, ...], max_lookahead: int, default_cost: float = 1e-3, batch: int = 1,
                   rates: dict[str, float] | None = None) -> tuple[float, dict[str, int]]:
         """Expected seconds per token the authority commits along ``path``, for one of ``batch``
-        sequences, and the lookahead per level that minimises it (the speedup equation of
-        docs/design.md, 'The speedup equation', applied edge by edge).
+        sequences, and the lookahead per level that minimises it (the speedup equation,
+        cascade/DESIGN.md §4, applied edge by edge).
 
         Level ``path[0]`` drafts one token per forward pass. Level ``path[i]`` builds its tokens
         in rounds: k tokens from below (k times the cost per token below) plus one forward pass
