@@ -77,12 +77,17 @@ def build_worker(
     (n-gram levels); ``index`` and ``source`` only name the level in errors.
     """
     if level.kind == "hf":
+        from safetensors import SafetensorError
+
+        from cascade.checkpoint import check_checkpoint
         from workers.hf import HFWorker
 
+        where = f"{source}: levels[{index}].model"
+        check_checkpoint(model_path, where)  # a corrupt or truncated file: named, before torch reads it
         try:
             return HFWorker(model_path, level.dtype, device or level.device, level.trust_remote_code)
-        except OSError as exc:
-            raise TopologyError(f"{source}: levels[{index}].model: cannot load: {exc}") from None
+        except (OSError, SafetensorError) as exc:
+            raise TopologyError(f"{where}: cannot load: {exc}") from None
     if level.kind == "ngram":
         from workers.ngram import NGramWorker
 

@@ -15,7 +15,7 @@ class Sampling(BaseModel):
     verification sees the distribution each draft really sampled from.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # inf would sample noise
 
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (argmax); >0 divides the logits.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
@@ -38,7 +38,7 @@ class Sampling(BaseModel):
 class SamplingOverride(BaseModel):
     """Per-level overrides for a draft's sampling; unset fields follow the request."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # inf would sample noise
 
     temperature: float | None = Field(None, ge=0.0, description="Draft temperature; 0 = greedy drafts.")
     top_k: int | None = Field(None, ge=0, description="Draft top-k; 0 = off.")

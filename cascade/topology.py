@@ -26,7 +26,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 class Resources(BaseModel):
     """What a level's Ray actor asks the cluster for (ignored in-process)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for the level's actor.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs for the actor; fractions share a GPU.")
@@ -75,7 +75,7 @@ class LevelSpec(BaseModel):
 class RaySpec(BaseModel):
     """How the Ray backend (``backend: ray``) places and supervises the level actors."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     address: str | None = Field(
         None,
@@ -177,13 +177,28 @@ class Topology:
         return out or [[self.authority]]
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load without aliases: a few bytes of nested aliases expand to gigabytes."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.YAMLError(f"YAML aliases (*name) are not allowed (line {mark.line + 1}, "
+                                 f"column {mark.column + 1}); write the value out")
+        return super().compose_node(parent, index)
+
+
 def load_topology(path: str | Path, check_models: bool = True) -> Topology:
     """Read, validate and graph a topology file. Raises :class:`TopologyError`."""
     path = Path(path)
     if not path.is_file():
         raise TopologyError(f"{path}: topology file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TopologyError(f"{path}: not UTF-8 text: {exc}") from None
+    try:
+        data = yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise TopologyError(f"{path}: invalid YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -278,7 +293,11 @@ def build_graph(spec: TopologySpec, source: str = "<spec>") -> tuple[nx.DiGraph,
 
 
 def check_model_files(topo: Topology) -> None:
-    """Model paths exist; every hf level shares the authority's vocabulary."""
+    """Model paths exist, with a config.json and safetensors headers that agree with it
+    (:mod:`cascade.checkpoint`: no weights are read); the tokenizer loads; every hf level shares
+    the authority's vocabulary."""
+    from cascade.checkpoint import check_checkpoint
+
     src = topo.source
     for i, level in enumerate(topo.spec.levels):
         if level.kind != "hf":
@@ -288,9 +307,26 @@ def check_model_files(topo: Topology) -> None:
         if local.exists():
             if not (local / "config.json").is_file():
                 raise TopologyError(f"{src}: levels[{i}].model: {local} has no config.json")
+            check_checkpoint(local, f"{src}: levels[{i}].model")
         elif ref.startswith((".", "/", "~")) or not _HUB_ID.match(ref):
             raise TopologyError(f"{src}: levels[{i}].model: path does not exist: {local}")
+    _check_tokenizer(topo)
     _check_vocabularies(topo)
+
+
+def _check_tokenizer(topo: Topology) -> None:
+    """The ``tokenizer:`` path exists and loads (the authority's own is loaded with its vocabulary)."""
+    if topo.spec.tokenizer is None:
+        return
+    path = (topo.base_dir / topo.spec.tokenizer).expanduser()
+    if not path.exists():
+        raise TopologyError(f"{topo.source}: tokenizer: path does not exist: {path}")
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(str(path.resolve()))
+    except Exception as exc:  # noqa: BLE001 - any loader failure is a topology problem
+        raise TopologyError(f"{topo.source}: tokenizer: cannot load from {path}: {exc}") from None
 
 
 def _check_vocabularies(topo: Topology) -> None:
