@@ -178,7 +178,7 @@ class Policy(abc.ABC):
             if params is not None or kwargs:
                 raise PolicyError(f"params: policy {self.name!r} declares no parameters")
             return
-        if params is not None and (kwargs or not isinstance(params, self.Params)):
+        if params is not None and (kwargs or type(params) is not self.Params):
             raise PolicyError(
                 f"params: {type(self).__name__} takes keyword arguments or one {type(self).__name__}.Params "
                 f"(policy {self.name!r}), got {params!r}" + (f" and {sorted(kwargs)}" if kwargs else ""))

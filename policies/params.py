@@ -78,7 +78,7 @@ class PathParams(PolicyParams):
 def check_params(model: type[PolicyParams], policy: str, params: Any) -> PolicyParams:
     """``params`` (a mapping, or already a ``model``) validated as ``model``; one PolicyError
     naming the first bad field and the policy otherwise."""
-    if isinstance(params, model):
+    if type(params) is model:  # exactly: a subclass's model carries parameters this policy lacks
         return params
     if params is None:
         params = {}
