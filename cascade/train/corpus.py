@@ -6,6 +6,11 @@ every ``*.py`` under ``sysconfig.get_paths()["stdlib"]``, excluding installed th
 packages (``site-packages``/``dist-packages``), test suites and a few tool directories whose
 contents are mostly test data or generated tables (see ``STDLIB_EXCLUDED_DIRS``).
 
+A corpus can also be a manifest (``manifest:PATH``): a list of files with their package, version
+and licence, relative to the stdlib or site-packages of this interpreter (written by
+:mod:`cascade.train.packages` for the family rebuild), so that what is trained on is fixed in the
+repository rather than by what happens to be installed.
+
 Heavy imports (torch, tokenizers, transformers) happen inside the functions that need them.
 """
 from __future__ import annotations
@@ -14,7 +19,7 @@ import hashlib
 import os
 import sysconfig
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -43,9 +48,15 @@ MAX_FILE_BYTES = 400_000
 
 SOURCE_SUFFIXES = (".py", ".pyi", ".txt", ".md", ".rst")
 
+STDLIB_LICENCE = "PSF-2.0"
+
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+
+def site_packages_root() -> Path:
+    return Path(sysconfig.get_paths()["purelib"]).resolve()
 
 
 def stdlib_files(root: str | os.PathLike | None = None) -> list[Path]:
@@ -79,12 +90,16 @@ def package_dir(name: str) -> Path:
 
 def collect_files(specs: Sequence[str], suffixes: Iterable[str] = SOURCE_SUFFIXES) -> list[Path]:
     """Resolve corpus specs: ``stdlib``, ``pkg:NAME`` (an installed package's directory, e.g.
-    ``pkg:attr``), files, or directories (searched recursively for ``suffixes``)."""
+    ``pkg:attr``), ``manifest:PATH`` (the files a manifest lists), files, or directories
+    (searched recursively for ``suffixes``)."""
     suffixes = tuple(suffixes)
     files: list[Path] = []
     for spec in specs:
         if spec == "stdlib":
             files.extend(stdlib_files())
+            continue
+        if spec.startswith("manifest:"):
+            files.extend(row.file() for row in read_manifest(spec[len("manifest:"):]))
             continue
         path = package_dir(spec[4:]) if spec.startswith("pkg:") else Path(spec)
         if path.is_dir():
@@ -104,6 +119,53 @@ def collect_files(specs: Sequence[str], suffixes: Iterable[str] = SOURCE_SUFFIXE
     if not unique:
         raise ValueError(f"no corpus files found in {list(specs)}")
     return unique
+
+
+class ManifestRow(NamedTuple):
+    """One file of a corpus manifest: where it comes from and under which licence."""
+
+    package: str  # the distribution (``python-stdlib`` for the standard library)
+    version: str
+    licence: str  # SPDX expression as the distribution declares it
+    root: str  # "stdlib" or "site-packages" (of the interpreter that reads the manifest)
+    path: str  # relative to the root, POSIX separators
+
+    def file(self) -> Path:
+        roots = {"stdlib": stdlib_root, "site-packages": site_packages_root}
+        if self.root not in roots:
+            raise ValueError(f"manifest row {self.path!r}: unknown root {self.root!r} (stdlib, site-packages)")
+        return roots[self.root]() / self.path
+
+
+MANIFEST_COLUMNS = ManifestRow._fields
+
+
+def write_manifest(rows: Sequence[ManifestRow], path: str | os.PathLike, notes: Sequence[str] = ()) -> None:
+    """A tab-separated manifest: ``#`` comment lines (notes, totals), a header, one row a file."""
+    sizes: dict[tuple[str, str], int] = {}
+    for r in rows:
+        key = (r.package, r.licence)
+        sizes[key] = sizes.get(key, 0) + r.file().stat().st_size
+    lines = [f"# {len(rows)} files, {sum(sizes.values()):,} bytes, {len(sizes)} packages",
+             *(f"# {n}" for n in notes),
+             *(f"# {pkg} ({lic}): {b:,} bytes" for (pkg, lic), b in sorted(sizes.items())),
+             "\t".join(MANIFEST_COLUMNS), *("\t".join(r) for r in rows)]
+    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def read_manifest(path: str | os.PathLike) -> list[ManifestRow]:
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        cells = line.split("\t")
+        if tuple(cells) == MANIFEST_COLUMNS:
+            continue
+        if len(cells) != len(MANIFEST_COLUMNS):
+            raise ValueError(f"{path}: a row needs {len(MANIFEST_COLUMNS)} tab-separated cells "
+                             f"{MANIFEST_COLUMNS}: {line[:80]!r}")
+        rows.append(ManifestRow(*cells))
+    return rows
 
 
 def read_text(path: Path) -> str | None:
