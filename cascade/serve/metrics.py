@@ -17,6 +17,8 @@ Meanings (vLLM's where the name is vLLM's):
   commit several tokens); ``e2e_request_latency_seconds``: arrival to finish.
 - ``num_requests_running`` / ``num_requests_waiting``: in the batch / admitted but queued.
 - ``generation_tokens_total`` / ``prompt_tokens_total``.
+- ``request_success_total{finished_reason}``: finished requests by OpenAI's reason (stop,
+  length), ``abort`` for a client that went away, ``error`` for a failure.
 - ``path_selected_total{path}``: sequence-steps that ran ``path`` ("tiny->small->large").
 - ``num_cached_sequences{level}`` (cascade's own): sequences whose KV cache a level holds, where
   the level can tell; finished and cancelled requests must leave it.
@@ -63,6 +65,7 @@ class Metrics:
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for the batch", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.finished = Counter(p + "request_success", "Finished requests", ["finished_reason"], registry=r)
         self.path_selected = Counter(p + "path_selected", "Sequence-steps per path", ["path"], registry=r)
         self.cached = Gauge(p + "num_cached_sequences", "Sequences a level holds a cache for", ["level"],
                             registry=r)

@@ -240,8 +240,9 @@ class Server:
                 return False
             while self._waiting and len(self.batch.active) < self.max_num_seqs:
                 job = self._waiting.popleft()
-                if job.cancelled:
+                if job.cancelled:  # gone before it got a place
                     job.push(Update([], "cancelled"))
+                    self.metrics.finished.labels(finished_reason="abort").inc()
                     continue
                 self.batch.add(job.state)
                 self._running[job.state.seq_id] = job
@@ -290,6 +291,7 @@ class Server:
                 continue
             del self._running[seq_id]
             self.metrics.e2e.observe(now - job.arrived)
+            self.metrics.finished.labels(finished_reason=_REASONS.get(reason, reason)).inc()
             error = f"level {failure.level!r} failed: {failure}" if reason == "error" and failure else None
             job.push(Update(new, reason, self.cascade._result(job.prompt, state, job.stops), error))
         self.metrics.running.set(len(self.batch.active))
@@ -316,6 +318,10 @@ class Server:
             self.batch.close()
         except Exception:  # a broken worker must not stop the shutdown
             log.exception("closing the batch")
+
+
+# cascade's finish reasons -> vLLM's request_success labels
+_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "abort"}
 
 
 def _cached_count(worker) -> int | None:

@@ -39,7 +39,7 @@ class Served:
             data = body if body is None or isinstance(body, (str, bytes)) else json.dumps(body)
             conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
-            return Reply(resp.status, dict(resp.getheaders()), resp.read().decode())
+            return Reply(resp.status, resp.headers, resp.read().decode())  # headers: case-insensitive
         finally:
             conn.close()
 
@@ -85,7 +85,7 @@ class Served:
 
 
 class Reply:
-    def __init__(self, status: int, headers: dict, text: str):
+    def __init__(self, status: int, headers, text: str):
         self.status_code, self.headers, self.text = status, headers, text
 
     def json(self):
