@@ -84,6 +84,7 @@ def test_the_committed_manifest():
     assert not set(by_package) & packages.heldout_distributions()
     assert {"python-stdlib", "numpy", "torch", "transformers", "pydantic", "PyYAML"} <= set(by_package)
     assert len(by_package) >= 50 and len(rows) >= 3000
+    assert len({(r.root, r.path) for r in rows}) == len(rows)  # each file once
     # the held-out prompts' files are not in it
     from cascade.train.heldout import HELDOUT_SOURCES, TUNING_SOURCES, source_files
 

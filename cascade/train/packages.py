@@ -261,7 +261,9 @@ def select_sources(cap_bytes: int = DEFAULT_CAP_BYTES) -> tuple[list[ManifestRow
             if not files:
                 left_out["no source"].append(name)
             version = md.distribution(name).version
-            rows.extend(ManifestRow(name, version, licence, "site-packages", f) for f in files)
+            # a namespace package's __init__.py can be claimed by two distributions: list it once
+            taken = {r.path for r in rows if r.root == "site-packages"}
+            rows.extend(ManifestRow(name, version, licence, "site-packages", f) for f in files if f not in taken)
     return rows, left_out
 
 
