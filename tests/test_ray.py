@@ -132,6 +132,26 @@ def test_identical_tokens_and_wire_cost(ray_cascade, local_cascade):
         sampled[0].stats.edges["medium->large"].proposed > 0
 
 
+def test_bad_input_is_named_under_ray(ray_cascade, family, tmp_path):
+    """Token ids outside the vocabulary are a RequestError before any actor is called (was a
+    RayTaskError), and a corrupt model file read in an actor is a TopologyError naming the level
+    (was a WorkerError)."""
+    from cascade.backends.ray import RayBackend
+    from cascade.errors import RequestError, TopologyError
+    from cascade.topology import load_topology
+
+    vocab = ray_cascade.workers["large"].vocab_size
+    for ids, index in (([vocab], 0), ([5, -1], 1)):
+        with pytest.raises(RequestError, match=rf"^prompts\[{index}\]: token id out of the vocabulary"):
+            ray_cascade.generate(ids, max_new_tokens=4)
+    shutil.copytree(family / "large", tmp_path / "large")
+    data = (tmp_path / "large" / "model.safetensors").read_bytes()
+    (tmp_path / "large" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    path = topology(tmp_path, tmp_path, "broken", levels=["large"], cpus=0.1)
+    with pytest.raises(TopologyError, match=r"levels\[0\]\.model: model\.safetensors: truncated"):
+        RayBackend.start(load_topology(path, check_models=False))  # what validate checks, skipped
+
+
 def test_killed_actors_restart_and_output_is_unchanged(ray_cascade, local_cascade):
     expected = local_cascade.generate(PROMPTS[0], max_new_tokens=32, temperature=0.0).token_ids
     engine = ray_cascade.engine

@@ -164,10 +164,18 @@ class LevelActor:
         build = dataclasses.replace(build, device=device)
         if device == "cpu" and self.device_note.startswith("GPU ids"):
             log.warning("level %s: %s", build.level.name, self.device_note)
-        self.worker = build_worker(build.level, build.model_path, build.index, build.source, build.device,
-                                   build.vocab_size)
+        self.failed: TopologyError | None = None
+        try:
+            self.worker = build_worker(build.level, build.model_path, build.index, build.source, build.device,
+                                       build.vocab_size)
+        except TopologyError as exc:
+            # Raised from info() instead: an error in an actor's constructor reaches the driver
+            # as ActorDiedError, whose message is all that is left of it.
+            self.worker, self.failed = None, exc
         self.tokens: dict[str, list[int]] = {}  # the last sequence sent for each seq_id
         self._samplings: dict[tuple, Sampling] = {}
+        if self.failed is not None:
+            raise self.failed
 
     def info(self) -> dict[str, Any]:
         import ray
