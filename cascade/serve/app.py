@@ -160,16 +160,20 @@ async def _respond(request: Request, server: Server, req, job: Job, chat: bool) 
 
 async def _last_update(request: Request, server: Server, job: Job):
     """Wait for the request to finish; cancel it if the client goes away meanwhile."""
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + _DISCONNECT_POLL_S
     while True:
         try:  # (a cancelled Queue.get loses nothing; a cancelled async generator would end)
             update = await asyncio.wait_for(job.queue.get(), _DISCONNECT_POLL_S)
+            if update.finish_reason is not None:
+                return update
         except asyncio.TimeoutError:
+            pass
+        if loop.time() >= check_at:  # updates come every step: look at the clock, not for a lull
+            check_at = loop.time() + _DISCONNECT_POLL_S
             if await request.is_disconnected():
                 server.cancel(job)
-                raise proto.ApiError(499, "client disconnected") from None
-            continue
-        if update.finish_reason is not None:
-            return update
+                raise proto.ApiError(499, "client disconnected")
 
 
 async def _sse(server: Server, req, job: Job, rid: str, chat: bool) -> AsyncIterator[str]:

@@ -49,7 +49,9 @@ def serve(args) -> int:
         raise
     try:
         server.start()
-        uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.log_level)
+        # streams still open at shutdown get a few seconds to end, then the server closes them
+        uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
     finally:
         server.close()
     return 0

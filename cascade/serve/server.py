@@ -113,7 +113,8 @@ class Server:
         self.max_queued = max_queued
         self.chat_template = chat_template
         self.metrics = Metrics(list(topo.graph.edges))
-        self.batch = cascade.batch(RecordingPolicy(policy or cascade.engine.policy, self.metrics))
+        self._policy = RecordingPolicy(policy or cascade.engine.policy, self.metrics)
+        self.batch = cascade.batch(self._policy)
         self.steps = 0
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: dict[str, Job] = {}
@@ -268,8 +269,26 @@ class Server:
             log.warning("level %s failed; ending the requests of its step: %s", exc.level, exc)
             if exc.level is None or exc.level == self.cascade.topology.authority:
                 self.authority_error = f"level {exc.level!r}: {exc}"
+        except Exception as exc:  # not a worker's own failure: trust nothing of this batch
+            log.exception("engine step failed; ending every request in the batch")
+            self.authority_error = f"engine step failed: {type(exc).__name__}: {exc}"
+            self._restart_batch(self.authority_error)
+            return
         self.steps += 1
         self._dispatch(failure)
+
+    def _restart_batch(self, message: str) -> None:
+        """End the batch's requests with an error, release their caches and start a new batch
+        (the next requests then run on a clean slate; a failure to release kills the loop)."""
+        self._dispatch(None)  # what was committed before the failure still reaches the clients
+        jobs = list(self._running.values())
+        self._running.clear()
+        for job in jobs:
+            job.state.finish_reason = "error"
+            self.metrics.finished.labels(finished_reason="error").inc()
+            job.push(Update([], "error", self.cascade._result(job.prompt, job.state, job.stops), message))
+        self.batch.close()
+        self.batch = self.cascade.batch(self._policy)
 
     def _dispatch(self, failure: WorkerError | None) -> None:
         """Hand each request what the step committed; finish the finished ones."""
@@ -292,7 +311,9 @@ class Server:
             del self._running[seq_id]
             self.metrics.e2e.observe(now - job.arrived)
             self.metrics.finished.labels(finished_reason=_REASONS.get(reason, reason)).inc()
-            error = f"level {failure.level!r} failed: {failure}" if reason == "error" and failure else None
+            error = None
+            if reason == "error":
+                error = f"level {failure.level!r} failed: {failure}" if failure else "generation failed"
             job.push(Update(new, reason, self.cascade._result(job.prompt, state, job.stops), error))
         self.metrics.running.set(len(self.batch.active))
 

@@ -59,6 +59,12 @@ class Served:
         assert resp.status == 200, resp.read()
         return Stream(conn, resp)
 
+    def leave_early(self, path: str, body: dict) -> "Stream":
+        """Send a request without reading its answer; close() the result to disconnect."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        return Stream(conn, None)
+
     def health(self) -> dict:
         return self.get("/health").json()
 

@@ -87,6 +87,16 @@ def test_overload_is_refused_with_429_and_a_leaving_client_frees_its_place(serve
                     and not any(h["cached_sequences"].values()), what="every cache to be released")
 
 
+def test_a_waiting_non_streaming_client_that_leaves_is_cancelled(server):
+    aborted = server.metric("cascade:request_success_total", finished_reason="abort")
+    request = server.leave_early("/v1/completions", {"prompt": "def g(y):\n", "max_tokens": 480, "temperature": 0})
+    server.wait_for(lambda h: h["running"] == 1, what="the request to run")
+    request.close()
+    server.wait_for(lambda h: h["running"] == 0 and not any(h["cached_sequences"].values()),
+                    what="the request to be cancelled and released")
+    assert server.metric("cascade:request_success_total", finished_reason="abort") == aborted + 1
+
+
 def test_chat_without_a_template_is_refused(server):
     r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400
