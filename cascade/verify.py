@@ -132,3 +132,69 @@ def verify_blocks(
 ) -> list[Verdict]:
     """Verify several sequences' blocks (ragged lengths), one verdict each."""
     return [verify_block(*row) for row in zip(draft_tokens, draft_probs, target_probs, uniforms)]
+
+
+# -- position-keyed randomness (``Sampling.coupling == "gumbel"``) ---------------------------------
+#
+# The default rule above couples a draft and its verifier optimally per token, but the draws it
+# consumes depend on where blocks start and end, so a seed reproduces tokens only when every
+# decision about blocks does. Here every position of a sequence has its own noise, generated from
+# (the request's seed, the position) alone, and every level samples by the exponential race
+# (Gumbel-max) with that same noise: ``token = argmax_v probs[v] / E_v``, ``E_v ~ Exp(1)`` i.i.d.
+# A verifier keeps the drafted tokens while they equal its own sample at each position and then
+# emits its own sample. So the committed token at each position is the authority's own sample
+# with that position's noise: an exact sample (the noise of a position is independent of the
+# tokens before it), and the same tokens for a seed whatever the path, lookahead, batch or backend.
+
+_KEY_MASK = (1 << 53) - 1  # a key travels in a uniform's float64 slot: it must stay an exact integer
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def position_keys(seed: int, positions: Sequence[int]) -> torch.Tensor:  # -> [n] float64, integer-valued
+    """One key per (seed, position) pair, in ``[0, 2**53)``: splitmix64 of the seed's own
+    splitmix64 plus the position, so nearby seeds and positions give unrelated keys."""
+    base = _splitmix64(seed & _MASK64)
+    return torch.tensor([float(_splitmix64((base + p) & _MASK64) & _KEY_MASK) for p in positions],
+                        dtype=torch.float64)
+
+
+def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:  # [n] -> [n, vocab] float64
+    """Each key's ``Exp(1)`` noise over the vocabulary (CPU generator: the same on every machine)."""
+    rows = []
+    for key in keys.tolist():
+        generator = torch.Generator().manual_seed(int(key))
+        rows.append(torch.empty(vocab, dtype=torch.float64).exponential_(generator=generator))
+    return torch.stack(rows) if rows else torch.empty(0, vocab, dtype=torch.float64)
+
+
+def sample_with_keys(
+    probs: torch.Tensor,  # [n, vocab] or [vocab], rows need not be normalised
+    keys: torch.Tensor,  # [n] or [] float64 position keys
+) -> torch.Tensor:  # [n] or [] long
+    """The exponential race: ``argmax_v probs[v] / E_v`` with the keys' noise; ``P(v) = probs[v] / sum``.
+    A token of zero mass never wins (its ratio is 0, and some token has mass)."""
+    rows = probs.reshape(-1, probs.shape[-1])
+    noise = race_noise(keys.reshape(-1), rows.shape[-1]).to(rows.device)
+    winners = (rows.to(torch.float64) / noise).argmax(-1)
+    return winners.reshape(probs.shape[:-1])
+
+
+def verify_block_keyed(
+    draft_tokens: Sequence[int],  # [n]
+    target_tokens: Sequence[int],  # [n + 1]: the verifier's own samples (sample_with_keys) at each position
+) -> Verdict:
+    """Keep the drafted tokens while they equal the verifier's own keyed samples, then emit the
+    verifier's sample at the first difference (or the bonus position). No draft distribution is
+    needed: the verifier's output is its own sample, whatever was proposed."""
+    n = len(draft_tokens)
+    accepted = 0
+    while accepted < n and int(draft_tokens[accepted]) == int(target_tokens[accepted]):
+        accepted += 1
+    return Verdict(accepted, int(target_tokens[accepted]), accepted == n)
