@@ -15,13 +15,15 @@ from serve_util import serve
 from test_engine_hf import reference_greedy
 
 POISON = "# poison\n"
+CRASH = "# crash\n"
 
 
 @pytest.fixture(scope="module")
 def server(family, tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-faults")
     authority = {"name": "large", "kind": "serve_workers:FlakyHFWorker",
-                 "params": {"model": str(family / "large"), "poison": tokenizer.encode(POISON), "delay": 0.01}}
+                 "params": {"model": str(family / "large"), "poison": tokenizer.encode(POISON),
+                            "crash": tokenizer.encode(CRASH), "delay": 0.01}}
     topo = write_topology(root / "flaky.yaml", {
         "name": "flaky", "tokenizer": str(family / "large"),
         "levels": [{"name": "small", "model": str(family / "small"), "dtype": "float64", "device": "cpu"}, authority],
@@ -61,6 +63,16 @@ def test_a_failure_mid_stream_is_an_error_event_then_done(server, family, tokeni
     assert error["type"] == "worker_error"
     text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
     assert greedy(family, tokenizer, POISON, 40).startswith(text)
+
+
+def test_an_unexpected_error_ends_the_batch_and_the_server_goes_on(server, client, family, tokenizer):
+    r = server.post("/v1/completions", {"prompt": CRASH, "max_tokens": 40, "temperature": 0})
+    assert r.status_code == 500 and "RuntimeError" in r.json()["error"]["message"]
+    assert server.get("/health").status_code == 503
+    ok = client.completions.create(model="flaky", prompt="import os\n", max_tokens=12, temperature=0)
+    assert ok.choices[0].text == greedy(family, tokenizer, "import os\n", 12)
+    health = server.wait_for(lambda h: h["running"] == 0, what="an idle batch")
+    assert health["status"] == "ok" and not any(health["cached_sequences"].values())
 
 
 def test_overload_is_refused_with_429_and_a_leaving_client_frees_its_place(server, client, family, tokenizer):
