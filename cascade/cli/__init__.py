@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "cascade.tools.ab",
     "cascade.tools.tune",
     "cascade.tools.bench",
+    "cascade.tools.bench_serve",
     "cascade.train.distill",
     "cascade.train.family_eval",
     "cascade.tools.run",

@@ -1,0 +1,197 @@
+"""``cascade bench-serve``: its statistics on known timings, its load shapes against a scripted
+client (bounds honoured, nothing about speed), and one run against a real ``cascade serve``."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from cascade.tools import bench_serve as bs
+from conftest import family_topology, write_topology
+
+sys.path.insert(0, str(Path(__file__).parent / "serve"))
+from serve_util import ROOT, serve  # noqa: E402
+
+
+# -- statistics on known timings ---------------------------------------------------------------
+
+def test_chunk_token_counts_match_the_usage_total():
+    # by characters: 2, 4 and 2 characters share 8 tokens as 2, 4, 2
+    assert bs.chunk_token_counts(["ab", "cdef", "gh"], 8) == [2, 4, 2]
+    # largest remainders: 1:1:1 of 4 tokens gives one chunk the extra token, the counts sum to 4
+    counts = bs.chunk_token_counts(["a", "b", "c"], 4)
+    assert sum(counts) == 4 and sorted(counts) == [1, 1, 2]
+    # a tokenizer counts the cumulative text: "hel" + "lo" is one word, not two
+    words = lambda text: len(text.split())  # noqa: E731 - a one-line stand-in tokenizer
+    assert bs.chunk_token_counts(["one tw", "o three", " four five"], 5, words) == [2, 1, 2]
+    # the server's count wins where the tokenizer disagrees (here it found 5, usage says 10)
+    assert bs.chunk_token_counts(["one tw", "o three", " four five"], 10, words) == [4, 2, 4]
+    assert bs.chunk_token_counts([], 3) == [] and bs.chunk_token_counts(["x", ""], 0) == [0, 0]
+
+
+def test_inter_token_latency_counts_a_chunk_of_k_tokens_as_k_gaps():
+    # chunks at 0, 1, 3 and 3.5 s bringing 2, 1, 4 and 1 tokens
+    per_token, raw = bs.per_token_gaps([0.0, 1.0, 3.0, 3.5], [2, 1, 4, 1])
+    assert raw == [1.0, 2.0, 0.5]
+    assert per_token == [1.0, 0.5, 0.5, 0.5, 0.5, 0.5]  # 1 gap of 1 s, 4 of 2/4 s, 1 of 0.5 s
+    assert len(per_token) == 8 - 2  # every token but the first chunk's has a gap
+    # a chunk with no token passes its gap to the next one
+    per_token, raw = bs.per_token_gaps([0.0, 1.0, 2.0], [1, 0, 2])
+    assert raw == [1.0, 1.0] and per_token == [1.0, 1.0]
+
+
+def test_request_metrics_ttft_tpot_e2e():
+    r = bs.Record(start=10.0, end=12.5, chunk_times=[10.5, 11.0, 12.0], chunk_texts=["aa", "bb", "cc"], tokens=6)
+    m = bs.request_metrics(r)
+    assert m.ttft == pytest.approx(0.5) and m.e2e == pytest.approx(2.5)
+    assert m.tpot == pytest.approx((12.5 - 10.5) / 5)  # (end - first token) / (tokens - 1)
+    assert m.chunk_gaps == pytest.approx([0.5, 1.0])
+    assert m.itl == pytest.approx([0.25, 0.25, 0.5, 0.5])  # 2 tokens per chunk
+    one = bs.request_metrics(bs.Record(start=0.0, end=1.0, chunk_times=[0.4], chunk_texts=["x"], tokens=1))
+    assert one.tpot is None and one.itl == [] and one.ttft == pytest.approx(0.4)
+
+
+def test_distribution_median_p99():
+    d = bs.distribution([x / 1000 for x in range(1, 101)])  # 1..100 ms
+    assert d["n"] == 100 and d["median_ms"] == pytest.approx(50.5) and d["mean_ms"] == pytest.approx(50.5)
+    assert d["p99_ms"] == pytest.approx(99.01) and d["p90_ms"] == pytest.approx(90.1)
+    assert bs.distribution([])["median_ms"] is None
+
+
+def test_summary_of_a_run():
+    ok = [bs.Record(start=0.0, end=2.0, chunk_times=[0.5, 1.0], chunk_texts=["a", "b"], tokens=4),
+          bs.Record(start=1.0, end=4.0, chunk_times=[2.0, 3.0], chunk_texts=["a", "b"], tokens=6)]
+    bad = [bs.Record(start=1.5, end=1.6, error="HTTP 429: server overloaded", status=429),
+           bs.Record(start=2.0, cancelled=True)]
+    s = bs.summarize(ok + bad)
+    assert (s["requests"], s["completed"], s["failed"], s["cancelled"]) == (4, 2, 1, 1)
+    assert s["duration_s"] == pytest.approx(4.0)  # first sent (0) to last finished (4)
+    assert s["request_throughput"] == pytest.approx(0.5) and s["output_tokens_per_s"] == pytest.approx(2.5)
+    assert s["tpot"]["median_ms"] == pytest.approx(1e3 * (1.5 / 3 + 2.0 / 5) / 2)
+    assert s["tokens_per_chunk"] == pytest.approx(10 / 4)
+    assert s["errors"] == {"HTTP 429: server overloaded": 1}
+    table = bs.markdown_table([{"label": "x", "summary": s}, {"label": "none", "summary": bs.summarize(bad)}])
+    assert "| x | 0.50 | 2.5 |" in table and "| none | - | - |" in table
+
+
+def test_loopback_only():
+    for url in ["http://127.0.0.1:8000/v1", "http://127.1.2.3:1/v1/", "http://[::1]:8000/v1", "http://localhost:80"]:
+        assert bs.loopback_url(url) == url.rstrip("/")
+    for url in ["http://10.0.0.1:8000/v1", "http://example.com/v1", "http://0.0.0.0:8000", "ftp://127.0.0.1/",
+                "127.0.0.1:8000"]:
+        with pytest.raises(ValueError):
+            bs.loopback_url(url)
+    refused = subprocess.run([sys.executable, "-c", "import sys; from cascade.cli import main; sys.exit(main())",
+                              "bench-serve", "--base-url", "http://192.168.1.1:8000/v1", "--prompts", "x"],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode == 2 and "--base-url: must be a loopback address" in refused.stderr
+
+
+def test_poisson_arrivals_are_seeded():
+    a = bs.arrival_times(2000, rate=4.0, seed=3)
+    assert a == bs.arrival_times(2000, rate=4.0, seed=3) and a != bs.arrival_times(2000, rate=4.0, seed=4)
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert a[0] == 0 and min(gaps) >= 0
+    assert abs(sum(gaps) / len(gaps) - 0.25) < 0.25 * 4 / math.sqrt(len(gaps))  # mean 1/rate, 4 sigma
+
+
+# -- load shapes against a scripted client -----------------------------------------------------
+
+class ScriptedClient:
+    """Streams ``chunks`` chunks of one token each, ``delay`` seconds apart, then a usage chunk;
+    records how many requests were in flight at once."""
+
+    def __init__(self, chunks: int = 3, delay: float = 0.01):
+        self.chunks, self.delay = chunks, delay
+        self.in_flight = self.most_in_flight = self.sent = 0
+        self.bodies: list[dict] = []
+        self.completions = SimpleNamespace(create=self._create)
+
+    async def _create(self, **body):
+        self.sent += 1
+        self.bodies.append(body)
+        return self._stream()
+
+    async def _stream(self):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            for _ in range(self.chunks):
+                await asyncio.sleep(self.delay)
+                yield SimpleNamespace(choices=[SimpleNamespace(text="x")], usage=None)
+            yield SimpleNamespace(choices=[], usage=SimpleNamespace(completion_tokens=self.chunks, prompt_tokens=2))
+        finally:
+            self.in_flight -= 1
+
+
+def test_closed_loop_keeps_the_concurrency_and_the_request_count():
+    client = ScriptedClient()
+    load = bs.Load(["p0", "p1"], num_requests=7, max_seconds=60, concurrency=3,
+                   body={"max_tokens": 3, "temperature": 0.0, "seed": 10, "top_k": 5})
+    records = asyncio.run(bs.run_load(client, "m", load))
+    assert len(records) == 7 == client.sent and all(r.ok and r.tokens == 3 for r in records)
+    assert client.most_in_flight == 3
+    assert sorted(b["seed"] for b in client.bodies) == list(range(10, 17))  # request i: seed + i
+    assert all(b["extra_body"] == {"top_k": 5} and b["stream_options"] == {"include_usage": True}
+               for b in client.bodies)
+    assert sorted(b["prompt"] for b in client.bodies) == ["p0"] * 4 + ["p1"] * 3
+
+
+def test_poisson_load_with_a_cap_and_the_time_bound():
+    client = ScriptedClient()
+    load = bs.Load(["p"], num_requests=5, max_seconds=60, concurrency=2, rate=50.0)
+    records = asyncio.run(bs.run_load(client, "m", load))
+    assert len(records) == 5 and all(r.ok for r in records) and client.most_in_flight <= 2
+    # requests still streaming at --max-seconds are cancelled, counted apart, left out of latencies
+    slow = ScriptedClient(chunks=1000, delay=0.05)
+    records = asyncio.run(bs.run_load(slow, "m", bs.Load(["p"], num_requests=3, max_seconds=0.3, concurrency=3)))
+    assert [r.cancelled for r in records] == [True] * 3 and slow.in_flight == 0
+    assert bs.summarize(records)["completed"] == 0
+
+
+# -- against a real server ---------------------------------------------------------------------
+
+def test_against_cascade_serve(family, tmp_path):
+    topo = write_topology(tmp_path / "t.yaml", family_topology(
+        family, ["small", "large"], ngram=True, name="served",
+        policy={"name": "fixed", "params": {"lookahead": {"ngram": 3, "small": 4}}}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
+                               ["def fibonacci(n):\n", "class Stack:\n    def push(self, x):", "import os\n"]))
+    out = tmp_path / "out"
+    with serve(topo, "--max-num-seqs", "4", log_dir=tmp_path) as served:
+        run = subprocess.run(
+            [sys.executable, "-c", "import sys; from cascade.cli import main; sys.exit(main())", "bench-serve",
+             "--base-url", served.base, "--prompts", str(prompts), "--concurrency", "2", "--num-requests", "4",
+             "--max-tokens", "12", "--seed", "1", "--temperature", "0.8", "--tokenizer", str(family / "large"),
+             "--label", "cascade c=2", "--json", str(out / "r.json"), "--markdown", str(out / "r.md"),
+             "--plot", str(out / "r.png")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        metrics = served.get("/metrics").text
+    result = json.loads((out / "r.json").read_text())
+    s = result["summary"]
+    assert result["model"] == "served" and (s["requests"], s["completed"], s["failed"]) == (4, 4, 0)
+    assert s["output_tokens"] == sum(r["tokens"] for r in result["records"])
+    assert all(0 < r["tokens"] <= 12 for r in result["records"])
+    assert s["ttft"]["n"] == 4 and s["itl"]["n"] == s["output_tokens"] - 4 - _tokens_in_first_chunks(
+        result, bs._token_counter(str(family / "large")))
+    assert "| cascade c=2 |" in (out / "r.md").read_text() and (out / "r.png").stat().st_size > 0
+    # the server counted the same tokens (and the warm-up request's)
+    generated = [line for line in metrics.splitlines() if line.startswith("cascade:generation_tokens_total")]
+    assert generated and float(generated[0].split()[-1]) >= s["output_tokens"]
+    # --table renders saved runs side by side
+    table = subprocess.run([sys.executable, "-c", "import sys; from cascade.cli import main; sys.exit(main())",
+                            "bench-serve", "--table", str(out / "r.json"), str(out / "r.json"),
+                            "--plot", str(out / "t.png")], capture_output=True, text=True, cwd=ROOT)
+    assert table.returncode == 0 and table.stdout.count("| cascade c=2 |") == 2 and (out / "t.png").exists()
+
+
+def _tokens_in_first_chunks(result, count) -> int:
+    """Tokens after the first in each request's first chunk (they have no gap either)."""
+    return sum(bs.chunk_token_counts(r["chunk_texts"], r["tokens"], count)[0] - 1 for r in result["records"])
