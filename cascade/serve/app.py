@@ -39,6 +39,7 @@ def build_app(server: Server | None = None) -> FastAPI:
     app.add_exception_handler(proto.ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
@@ -242,6 +243,12 @@ class _CancellingStream(StreamingResponse):
 async def _api_error(request: Request, exc: proto.ApiError) -> JSONResponse:
     headers = {"Retry-After": str(exc.extra["retry_after"])} if exc.status == 429 else None
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug: still the OpenAI error shape (the engine loop is not affected)."""
+    message = f"internal error: {type(exc).__name__}: {exc}"
+    return JSONResponse(proto.ApiError(500, message, type="internal_error").body(), status_code=500)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

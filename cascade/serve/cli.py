@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 
 
@@ -12,15 +13,19 @@ def add_parser(sub) -> None:
                                    "GET /health and GET /metrics with one continuously batched cascade.")
     p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY, help=f"topology file (default {DEFAULT_TOPOLOGY})")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-num-seqs", type=int, default=16, help="most requests in the batch at once (default 16)")
-    p.add_argument("--max-queued", type=int, default=64,
+    p.add_argument("--port", type=types._integer(1, 65536), default=8000, help="port (default 8000)")
+    p.add_argument("--max-num-seqs", type=types.positive_int, default=16,
+                   help="most requests in the batch at once (default 16)")
+    p.add_argument("--max-queued", type=types.nonnegative_int, default=64,
                    help="most requests waiting for a place; more are refused with 429 (default 64)")
-    p.add_argument("--chat-template", default=None, metavar="FILE",
+    p.add_argument("--chat-template", type=types.nonempty, default=None, metavar="FILE",
                    help="a Jinja chat template (default: the authority tokenizer's)")
-    p.add_argument("--policy", default=None, help="NAME[:key=value,...], e.g. fixed:lookahead=4")
-    p.add_argument("--device", default=None, help="override every level's device (cpu, cuda:0, auto)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients name (default: the topology's name)")
+    p.add_argument("--policy", type=types.policy_spec, default=None,
+                   help="NAME[:key=value,...], e.g. fixed:lookahead=4 (default: the topology's)")
+    p.add_argument("--device", type=types.device, default=None,
+                   help="override every level's device (cpu, cuda:0, auto)")
+    p.add_argument("--served-model-name", type=types.nonempty, default=None,
+                   help="the model id clients name (default: the topology's name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=serve)
 
@@ -29,7 +34,7 @@ def add_parser(sub) -> None:
 def serve(args) -> int:
     import uvicorn
 
-    from cascade.cli.commands import load_cascade
+    from cascade.api import Cascade
     from cascade.errors import RequestError
     from cascade.serve.app import build_app
     from cascade.serve.server import Server
@@ -40,7 +45,7 @@ def serve(args) -> int:
             template = Path(args.chat_template).read_text()
         except OSError as exc:
             raise RequestError(f"chat-template: cannot read {args.chat_template}: {exc}") from None
-    cascade = load_cascade(args)
+    cascade = Cascade.from_topology(args.topology, policy=args.policy or None, device=args.device)
     try:
         server = Server(cascade, model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                         max_queued=args.max_queued, chat_template=template)
