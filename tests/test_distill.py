@@ -230,3 +230,21 @@ def test_an_unavailable_device_asked_for_by_name_is_an_error(tmp_path, teacher_d
     """A worker falls back to the CPU; hours of training on a device not asked for is an error."""
     with pytest.raises(SystemExit, match="--device: device 'cuda' requested but it is not available"):
         distill.main(_args(teacher_dir, corpus_dir, tmp_path / "w", tmp_path / "s", "--device", "cuda"))
+
+
+def test_distill_loss_mixes_kl_and_ce():
+    from cascade.train.trainer import distill_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    targets = torch.randint(0, 7, (2, 5))
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 7), targets.reshape(-1))
+    loss, ce_out, kl = distill_loss(logits, targets, None, 0.8, 2.0)
+    assert kl is None and torch.equal(loss, ce) and torch.equal(ce_out, ce)
+    # a teacher equal to the student at temperature T: KL 0, the loss is the CE share alone
+    same = torch.log_softmax(logits / 2.0, -1)
+    loss, _, kl = distill_loss(logits, targets, same, 0.8, 2.0)
+    assert kl.abs() < 1e-6 and torch.allclose(loss, 0.2 * ce)
+    other = torch.log_softmax(torch.randn(2, 5, 7), -1)
+    loss, _, kl = distill_loss(logits, targets, other, 0.8, 2.0)
+    assert kl > 0 and torch.allclose(loss, 0.8 * 4.0 * kl + 0.2 * ce)
