@@ -82,7 +82,7 @@ def test_eight_concurrent_clients_arriving_at_different_times_are_all_exact(serv
 
     async def one(aclient, i):
         await asyncio.sleep(0.07 * i)  # arrivals spread over several engine steps
-        kwargs = dict(model="served", prompt=prompts[i], max_tokens=24 + 4 * i)
+        kwargs = dict(model="served", prompt=prompts[i], max_tokens=16 + 3 * i)
         kwargs.update(temperature=0.8, top_p=0.95, seed=sampled[i]) if i in sampled else kwargs.update(temperature=0)
         if i % 2:
             stream = await aclient.completions.create(stream=True, **kwargs)
@@ -96,10 +96,10 @@ def test_eight_concurrent_clients_arriving_at_different_times_are_all_exact(serv
     got = asyncio.run(all_of_them())
     for i, text in enumerate(got):
         if i in sampled:  # the same tokens as this request alone, in process, with its seed
-            want = cascade.generate(prompts[i], max_new_tokens=24 + 4 * i, temperature=0.8, top_p=0.95,
+            want = cascade.generate(prompts[i], max_new_tokens=16 + 3 * i, temperature=0.8, top_p=0.95,
                                     seed=sampled[i]).text
         else:
-            want = greedy_text(family, tokenizer, prompts[i], 24 + 4 * i)[0]
+            want = greedy_text(family, tokenizer, prompts[i], 16 + 3 * i)[0]
         assert text == want, f"request {i}"
 
 
@@ -151,6 +151,10 @@ def test_stats_only_when_asked(client):
     stats = r.model_extra["cascade_stats"]
     assert stats["authority"] == "large" and stats["new_tokens"] == 8
     assert stats["levels"]["large"]["forward_passes"] >= 1 and "tiny->small" in stats["edges"]
+    chunks = list(client.completions.create(model="served", prompt="x = 1\n", max_tokens=8, temperature=0,
+                                            stream=True, extra_body={"return_stats": True}))
+    assert chunks[-1].model_extra["cascade_stats"]["new_tokens"] == 8  # on the chunk that finishes
+    assert all("cascade_stats" not in (c.model_extra or {}) for c in chunks[:-1])
 
 
 def test_models_health_and_metrics(server, client):
