@@ -105,7 +105,9 @@ def add_parser(sub) -> None:
     data = p.add_argument_group("data")
     data.add_argument("--corpus", nargs="+", default=["stdlib"], metavar="PATH",
                       help="files or directories of text/code; the word 'stdlib' selects the Python "
-                      "standard library shipped with this interpreter (tests, idlelib, lib2to3 excluded)")
+                      "standard library shipped with this interpreter (tests, idlelib, lib2to3 excluded); "
+                      "pkg:NAME an installed package; manifest:PATH the files a corpus manifest lists "
+                      "(e.g. examples/models/CORPUS-rebuild.tsv, see python -m cascade.train.packages)")
     data.add_argument("--eval-corpus", nargs="*", default=None, metavar="PATH",
                       help="held-out files/directories/pkg:NAME for the end-of-training loss report")
     data.add_argument("--seq-len", type=int, default=256)
