@@ -55,7 +55,7 @@ async def completions(request: Request) -> Response:
     server = _server(request)
     req = await _parse(request, proto.CompletionRequest, server)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    job = _submit(server, req, req.prompt, max_tokens, "max_tokens", "prompt")
+    job = await _submit(server, req, req.prompt, max_tokens, "max_tokens", "prompt")
     return await _respond(request, server, req, job, chat=False)
 
 
@@ -69,7 +69,7 @@ async def chat_completions(request: Request) -> Response:
     max_tokens, field = req.limit
     if max_tokens is None:  # up to the authority's context (the batch stops there)
         max_tokens = server.cascade.engine.context_length or 1024
-    job = _submit(server, req, prompt, max_tokens, field, "messages")
+    job = await _submit(server, req, prompt, max_tokens, field, "messages")
     return await _respond(request, server, req, job, chat=True)
 
 
@@ -121,9 +121,9 @@ async def _parse(request: Request, model: type, server: Server):
     return req
 
 
-def _submit(server: Server, req, prompt, max_tokens: int, limit_field: str, prompt_field: str) -> Job:
+async def _submit(server: Server, req, prompt, max_tokens: int, limit_field: str, prompt_field: str) -> Job:
     try:
-        return server.submit(prompt, max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+        return await server.submit(prompt, max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                              seed=req.seed, stop=req.stop)
     except RequestError as exc:
         err = proto.request_error(exc, prompt_field)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import threading
 import time
@@ -132,20 +133,22 @@ class Server:
             self._thread.start()
         return self
 
-    def submit(self, prompt: str | Sequence[int], max_new_tokens: int, *, temperature: float | None = None,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               stop: str | Sequence[str] | None = None) -> Job:
-        """Validate a request and queue it for the batch; call from the event loop whose queue
-        receives the updates. Raises RequestError (bad input), Overloaded or Unavailable."""
+    async def submit(self, prompt: str | Sequence[int], max_new_tokens: int, *, temperature: float | None = None,
+                     top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                     stop: str | Sequence[str] | None = None) -> Job:
+        """Validate a request and queue it for the batch; the updates go to the calling event
+        loop. Raises RequestError (bad input), Overloaded or Unavailable."""
         if not self.alive:
             raise Unavailable(self.dead or "the server is shutting down")
         stops = _stop_list(stop)
-        if stops or isinstance(prompt, str):
+        if stops:
             self.cascade._need_tokenizer()
-        if not isinstance(prompt, str):
-            self._check_token_ids(prompt)
-        state = self.cascade.request(prompt, max_new_tokens, temperature, top_k, top_p, seed)
-        job = Job(state, prompt, stops, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        # Cascade.request waits for the Cascade's lock, which a batch step holds: wait in a
+        # thread, so that the event loop never waits on a forward pass.
+        state = await loop.run_in_executor(None, functools.partial(
+            self.cascade.request, prompt, max_new_tokens, temperature, top_k, top_p, seed))
+        job = Job(state, prompt, stops, loop)
         with self._wake:
             free = max(0, self.max_num_seqs - len(self._running))
             if len(self._waiting) >= self.max_queued + free:
@@ -154,13 +157,6 @@ class Server:
             self.metrics.waiting.set(len(self._waiting))
             self._wake.notify()
         return job
-
-    def _check_token_ids(self, ids: Sequence[int]) -> None:
-        # an id past the embedding table would fail the whole step of every batched request
-        vocab = self.cascade.workers[self.cascade.topology.authority].vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
     def cancel(self, job: Job) -> None:
         """The client is gone: the request leaves the batch (caches released) at the next step."""
@@ -239,17 +235,20 @@ class Server:
                 self._wake.wait()
             if self._closing:
                 return False
-            while self._waiting and len(self.batch.active) < self.max_num_seqs:
+            joining = []
+            while self._waiting and len(self.batch.active) + len(joining) < self.max_num_seqs:
                 job = self._waiting.popleft()
                 if job.cancelled:  # gone before it got a place
                     job.push(Update([], "cancelled"))
                     self.metrics.finished.labels(finished_reason="abort").inc()
                     continue
-                self.batch.add(job.state)
+                joining.append(job)
                 self._running[job.state.seq_id] = job
-                self.metrics.prompt_tokens.inc(job.prompt_tokens)
             self.metrics.waiting.set(len(self._waiting))
-            self.metrics.running.set(len(self.batch.active))
+        for job in joining:  # outside the condition: adding takes the Cascade's lock
+            self.batch.add(job.state)
+            self.metrics.prompt_tokens.inc(job.prompt_tokens)
+        self.metrics.running.set(len(self.batch.active))
         return True
 
     def _drop_cancelled(self) -> None:

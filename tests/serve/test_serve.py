@@ -201,7 +201,7 @@ COMPLETION_ERRORS = [
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "x", "max_tokens": "4"}, 400, "max_tokens"),
     ({"prompt": [5] * 600}, 400, "prompt"),  # longer than the authority's context (512)
-    ({"prompt": [1, 99999]}, 400, "prompt"),  # not a token of the vocabulary
+    ({"prompt": [1, 99999]}, 400, "prompt[1]"),  # not a token of the vocabulary
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ('{"prompt": "x", "temperature": NaN}', 400, "temperature"),
