@@ -19,7 +19,6 @@ from pydantic import (
 )
 
 
-
 class PolicyError(ValueError):
     """A policy's parameters are invalid (or do not fit the topology); the message names the
     field and the policy."""
