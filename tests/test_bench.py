@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +90,129 @@ def test_bench_batch_sizes(family, tmp_path, capsys):
         assert r["ratio"] == pytest.approx(sum(r["ratios"]) / 2)  # the median of two
         assert r["plain_latency_s"] > 0 and r["cascade_latency_s"] > 0
     assert "| 3 |" in capsys.readouterr().out
+
+
+# -- sampling, repetition and the distribution check ------------------------------------------
+
+
+def test_homogeneity_on_hand_made_samples():
+    from cascade.tools.exactness import homogeneity
+
+    same = [1] * 50 + [2] * 30 + [3] * 20
+    stat, dof, p, columns = homogeneity(same, list(reversed(same)))
+    assert (stat, dof, p, columns) == (0.0, 2, 1.0, 3)
+    # rare outcomes (expected count < 5) share one column; here too few to stand alone: merged
+    stat, dof, p, columns = homogeneity(same + [7, 8], same + [9, 9])
+    assert columns == 3 and p > 0.5
+    # one outcome only: nothing to test
+    assert homogeneity([4] * 30, [4] * 30)[2] == 1.0
+    far = homogeneity([1] * 80 + [2] * 20, [1] * 20 + [2] * 80)
+    assert far[2] < 1e-12
+
+
+def test_distribution_check_passes_the_cascade_and_fails_a_wrong_sampler(tmp_path):
+    """The bench's check on the bundled models at T = 0.8, top-p 0.95: the cascade (tiny -> large)
+    against plain sampling of the authority passes; plain sampling at T = 1.0 (a negative control)
+    fails the same bound. Fixed seeds: the outcome is deterministic."""
+    import torch
+
+    from cascade import Cascade
+    from cascade.sampling import Sampling
+    from cascade.tools.baselines import generate_kwargs, load_prompts
+    from cascade.tools.exactness import P_BOUND, check_distribution, uncertain_prefix
+
+    models = Path(__file__).resolve().parents[1] / "examples" / "models"
+    topo = write_topology(tmp_path / "t.yaml", {"name": "t", "levels": [
+        {"name": n, "model": str(models / n), "device": "cpu"} for n in ("tiny", "large")],
+        "policy": {"name": "fixed", "params": {"lookahead": {"tiny": 3}}}})
+    asked = Sampling(temperature=0.8, top_p=0.95)
+    n = 300
+    with Cascade.from_topology(topo) as c:
+        model, eos = c.workers["large"].model, c.tokenizer.eos_token_id
+        prompts = [c.tokenizer.encode(p) for p in load_prompts(models.parents[1] / "examples/prompts/heldout.jsonl", 6)]
+        i, length = uncertain_prefix(model, prompts, asked)
+        ids = prompts[i][:length]
+
+        def plain(sampling, seed):
+            torch.manual_seed(seed)
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=2, num_return_sequences=n, **generate_kwargs(sampling))
+            return out[:, len(ids):].tolist()
+
+        reference = plain(asked, 0)
+        cascade = [g.token_ids for g in c.generate([ids] * n, max_new_tokens=2, temperature=0.8, top_p=0.95,
+                                                   seed=1, batch_size=50)]
+        good = check_distribution("cascade", reference, cascade, eos=eos, prompt=(i, length))
+        wrong = check_distribution("T=1.0", reference, plain(Sampling(temperature=1.0, top_p=0.95), 5), eos=eos)
+    assert good.passed and good.p_value > 0.01, good
+    assert not wrong.passed and wrong.p_value <= P_BOUND, wrong
+    assert (good.prompt, good.prompt_tokens) == (i, length) and len(good.position_p_values) == 2
+
+
+def test_bench_sampled_with_greedy_side_by_side(family, tmp_path, capsys):
+    topo = write_topology(tmp_path / "b.yaml", family_topology(
+        family, ["tiny", "large"], policy={"name": "fixed", "params": {"lookahead": {"tiny": 3}}}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):\n", "import os\n", "class A:\n"]))
+    out = tmp_path / "bench"
+    # the test family's logits are sharp: a high temperature makes the first tokens uncertain
+    code = main(["bench", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "12",
+                 "--only", "cascade:tiny->large", "--only", "hf-prompt-lookup", "--temperature", "3", "--top-p", "0.95",
+                 "--seed", "7", "--with-greedy", "--exactness-draws", "60", "--out", str(out), "--no-progress"])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    data = json.loads((out / "bench.json").read_text())
+    assert data["config"]["modes"] == ["greedy", "T=3, top-p 0.95"] and data["config"]["seed"] == 7
+    rows = {(r["mode"], r["name"]): r for r in data["reports"]}
+    assert set(rows) == {(m, c) for m in data["config"]["modes"] for c in ("plain", "hf-prompt-lookup",
+                                                                             "cascade:tiny->large")}
+    for r in data["reports"]:
+        assert 0.0 <= r["repetition_median"] <= 1.0 and r["exact"], r
+        assert 0 <= r["nonloop_prompts"] <= 3
+        assert (r["speedup_nonloop_median"] is None) == (r["nonloop_prompts"] == 0)
+    greedy, sampled = rows[("greedy", "cascade:tiny->large")], rows[("T=3, top-p 0.95", "cascade:tiny->large")]
+    assert greedy["distribution"] is None and greedy["mismatches"] == []
+    check = sampled["distribution"]
+    assert check["draws"] == 60 and check["tokens"] == 2 and check["passed"] and check["p_value"] > 1e-3
+    assert rows[("T=3, top-p 0.95", "hf-prompt-lookup")]["distribution"] is None  # transformers' own
+    samples = data["samples"]
+    assert len(samples) == 2 * 3 * 3
+    # the sampled runs really sampled: prompts x configurations not all equal to greedy
+    by = {(s["mode"], s["config"], s["prompt"]): s["token_ids"] for s in samples}
+    assert any(by[("greedy", c, i)] != by[("T=3, top-p 0.95", c, i)] for c in ("plain", "cascade:tiny->large")
+               for i in range(3))
+    assert "| configuration | speedup, greedy |" in stdout and "Exactness by distribution" in stdout
+    assert "not checked (transformers' own sampler)" in stdout
+    assert (out / "speedup.png").stat().st_size > 0
+
+
+def test_bench_exit_status_says_a_distribution_failure(family, tmp_path, monkeypatch, capsys):
+    import cascade.tools.exactness as exactness
+
+    real = exactness.check_distribution
+
+    def failing(*args, **kwargs):
+        check = real(*args, **kwargs)
+        check.p_value = 0.0
+        return check
+
+    monkeypatch.setattr(exactness, "check_distribution", failing)
+    topo = write_topology(tmp_path / "b.yaml", family_topology(family, ["tiny", "large"]))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):\n"}))
+    code = main(["bench", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "4",
+                 "--only", "cascade:tiny->large", "--temperature", "2", "--exactness-draws", "20",
+                 "--out", str(tmp_path / "o"), "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "EXACTNESS FAILURE" in captured.err and "cascade:tiny->large (T=2)" in captured.err
+    assert "**FAILS** (p = 0)" in captured.out
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--temperature", "nan"), ("--top-p", "0"),
+                                        ("--top-p", "1.5"), ("--top-k", "-2"), ("--seed", "-1"),
+                                        ("--temperature", "inf")])
+def test_bench_refuses_bad_sampling_values(flag, value, capsys):
+    assert main(["bench", "--out", "x", flag, value]) == 2  # refused while parsing, before any model loads
+    assert f"argument {flag}" in capsys.readouterr().err

@@ -94,3 +94,20 @@ def policy_spec(text: str) -> str:
     except PolicyError as exc:
         raise argparse.ArgumentTypeError(f"{exc} (got {text!r})") from None
     return text
+
+
+def add_sampling_args(p: argparse.ArgumentParser, default_temperature: float = 0.0, default_top_p: float = 1.0,
+                      default_top_k: int = 0, default_seed: int = 0, what: str = "") -> None:
+    """``--temperature``, ``--top-p``, ``--top-k`` and ``--seed`` for a measuring command
+    (bench, demo, ab), with that command's defaults; every value checked as above (finite, in
+    range). ``what`` says in the help which runs they set."""
+    where = f" of {what}" if what else ""
+    p.add_argument("--temperature", type=temperature, default=default_temperature,
+                   help=f"sampling temperature{where}; 0 = greedy (default {default_temperature})")
+    p.add_argument("--top-p", type=top_p, default=default_top_p,
+                   help=f"nucleus sampling: keep the smallest set of this mass, in (0, 1]; 1 = off "
+                        f"(default {default_top_p})")
+    p.add_argument("--top-k", type=nonnegative_int, default=default_top_k,
+                   help=f"keep the k most likely tokens; 0 = off (default {default_top_k})")
+    p.add_argument("--seed", type=seed, default=default_seed,
+                   help=f"seed of the sampled runs, an integer in [0, 2^63) (default {default_seed})")

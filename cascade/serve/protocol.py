@@ -117,6 +117,10 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as OpenAI's own attribution field
     return_stats: bool = Field(False, description="extension: add cascade's per-request statistics")
+    return_provenance: bool = Field(False, description="extension: add each step's path, blocks and the level "
+                                                        "each token came from (cascade_provenance)")
+    policy: str | None = Field(None, min_length=1, description="extension: a policy spec string for this request "
+                                                               "alone (unset: the server's)")
     # OpenAI fields cascade does not implement, accepted at their neutral value only
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

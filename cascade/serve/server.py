@@ -23,13 +23,14 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 from cascade.api import Cascade, Generation, _stop_list
 from cascade.engine import RequestState
 from cascade.errors import RequestError, WorkerError
 from cascade.serve.metrics import Metrics, RecordingPolicy
+from cascade.stats import StepProvenance
 from policies import Policy
 
 log = logging.getLogger(__name__)
@@ -39,12 +40,14 @@ log = logging.getLogger(__name__)
 class Update:
     """What one engine step committed for one request. The last update of a request has
     ``finish_reason`` (cascade's: length, eos, stop, context, error, cancelled) and
-    ``generation`` (the result, cut at a stop string); ``error`` says why it failed, if it did."""
+    ``generation`` (the result, cut at a stop string); ``error`` says why it failed, if it did.
+    ``steps``: for a request with provenance, the steps that committed ``tokens``."""
 
     tokens: list[int]
     finish_reason: str | None = None
     generation: Generation | None = None
     error: str | None = None
+    steps: list[StepProvenance] = field(default_factory=list)
 
 
 class Overloaded(Exception):
@@ -71,12 +74,19 @@ class Job:
         self.arrived = time.perf_counter()
         self.last_commit: float | None = None
         self.sent = 0  # tokens of state.generated handed over so far
+        self.steps_sent = 0  # steps of state.provenance handed over so far (provenance only)
         self.cancelled = False  # set by the handler's side; read by the engine thread
         self.done = False
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.state.request.prompt_ids)
+
+    def new_steps(self) -> list[StepProvenance]:
+        """The provenance of the steps not handed over yet (none without provenance)."""
+        steps = self.state.provenance or []
+        new, self.steps_sent = steps[self.steps_sent:], len(steps)
+        return new
 
     def push(self, update: Update) -> None:
         if update.finish_reason is not None:
@@ -135,9 +145,12 @@ class Server:
 
     async def submit(self, prompt: str | Sequence[int], max_new_tokens: int, *, temperature: float | None = None,
                      top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                     stop: str | Sequence[str] | None = None) -> Job:
+                     stop: str | Sequence[str] | None = None, provenance: bool = False,
+                     policy: str | None = None) -> Job:
         """Validate a request and queue it for the batch; the updates go to the calling event
-        loop. Raises RequestError (bad input), Overloaded or Unavailable."""
+        loop. Raises RequestError (bad input), Overloaded or Unavailable. ``provenance``: each
+        update carries its steps' provenance; ``policy``: a spec string for this request alone
+        (a fresh policy: it steps in a group of its own and learns only from this request)."""
         if not self.alive:
             raise Unavailable(self.dead or "the server is shutting down")
         stops = _stop_list(stop)
@@ -147,7 +160,10 @@ class Server:
         # Cascade.request waits for the Cascade's lock, which a batch step holds: wait in a
         # thread, so that the event loop never waits on a forward pass.
         state = await loop.run_in_executor(None, functools.partial(
-            self.cascade.request, prompt, max_new_tokens, temperature, top_k, top_p, seed))
+            self.cascade.request, prompt, max_new_tokens, temperature, top_k, top_p, seed,
+            provenance=provenance, policy=policy))
+        if state.policy is not None:  # its plans and outcomes reach the metrics too
+            state.policy = RecordingPolicy(state.policy, self.metrics)
         job = Job(state, prompt, stops, loop)
         with self._wake:
             free = max(0, self.max_num_seqs - len(self._running))
@@ -305,7 +321,7 @@ class Server:
             reason = state.finish_reason
             if reason is None:
                 if new:
-                    job.push(Update(new))
+                    job.push(Update(new, steps=job.new_steps()))
                 continue
             del self._running[seq_id]
             self.metrics.e2e.observe(now - job.arrived)
@@ -313,7 +329,8 @@ class Server:
             error = None
             if reason == "error":
                 error = f"level {failure.level!r} failed: {failure}" if failure else "generation failed"
-            job.push(Update(new, reason, self.cascade._result(job.prompt, state, job.stops), error))
+            job.push(Update(new, reason, self.cascade._result(job.prompt, state, job.stops), error,
+                            job.new_steps()))
         self.metrics.running.set(len(self.batch.active))
 
     def _observe_commit(self, job: Job, count: int, now: float) -> None:

@@ -10,21 +10,37 @@ import torch
 from cascade.errors import RequestError
 
 
-def plain_generate(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
-    """Greedy decoding of ``model`` alone with transformers' own ``generate``.
+def plain_generate(model, prompt_ids: list[int], max_new_tokens: int, sampling=None,
+                   seed: int | None = None) -> tuple[list[int], float]:
+    """Decoding of ``model`` alone with transformers' own ``generate``: greedy, or sampled with
+    ``sampling`` (a :class:`cascade.sampling.Sampling` with temperature > 0; ``seed`` seeds
+    torch's global generator first, which transformers samples from).
 
     Returns (new token ids, seconds). Stops at the model's EOS like the cascade does.
     """
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], device=device)
+    kwargs = generate_kwargs(sampling)
+    if seed is not None:
+        torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-            pad_token_id=model.generation_config.pad_token_id or model.generation_config.eos_token_id,
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            pad_token_id=model.generation_config.pad_token_id or model.generation_config.eos_token_id, **kwargs,
         )
     seconds = time.perf_counter() - t0
     return out[0, len(prompt_ids):].tolist(), seconds
+
+
+def generate_kwargs(sampling=None) -> dict:
+    """transformers ``generate`` arguments for a :class:`cascade.sampling.Sampling` (None or
+    temperature 0: greedy). Every filter is passed, off ones as their off values (top-k 0, top-p
+    1), so no default of transformers' or of the model's generation config applies in their
+    place; transformers warps in cascade's order (temperature, top-k, top-p)."""
+    if sampling is None or sampling.greedy:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:

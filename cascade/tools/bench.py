@@ -15,16 +15,24 @@ the same run. Configurations:
    drafts along the whole chain.
 
 Each cascade configuration also gets a *predicted* speedup from its measured acceptance per
-draft position and measured seconds per forward pass of each level (the seed's equation, §9,
+draft position and measured seconds per forward pass of each level (cascade/DESIGN.md §4,
 composed up the hierarchy: ``Estimates.path_cost``), for the path its steps mostly took
 (``predicted_path``: a chain's own path; for ``auto``, the one it settled on). Measured ÷
 predicted is the share of that ideal the configuration kept.
+
+Greedy or sampled (``--temperature``/``--top-p``/``--top-k``/``--seed``; ``--with-greedy`` runs
+both, interleaved in the same run and reported side by side). Small models loop under greedy
+decoding and a loop is what every draft predicts best, so every row also reports how
+repetitive its text was (:mod:`cascade.tools.repetition`), and beside the overall speedup the
+speedup over the prompts whose plain continuation is not a loop. Exactness: under greedy
+decoding every output must equal plain decoding's; under sampling every configuration's first
+tokens on one prompt must follow the distribution of plain sampling
+(:mod:`cascade.tools.exactness`). Either failure sets exit status 2.
 """
 from __future__ import annotations
 
 import json
 import random
-import resource
 import statistics
 import sys
 import time
@@ -34,6 +42,9 @@ from typing import Any, Callable
 
 from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
+from cascade.tools.bench_report import batch_markdown, write_report
+from cascade.tools.exactness import DistributionCheck
+from cascade.tools.repetition import LOOP_THRESHOLD, NGRAM, repetition
 
 
 @dataclass
@@ -42,13 +53,18 @@ class Config:
     kind: str  # "plain", "hf", "cascade"
     path: tuple[str, ...] = ()
     policy: str = ""
-    run: Callable[[list[int], int], tuple[list[int], float, Any]] | None = None
+    # (prompt ids, max new tokens, sampling, seed) -> (new ids, seconds, cascade's RequestStats)
+    run: Callable[[list[int], int, Any, int], tuple[list[int], float, Any]] | None = None
     graph: Any = None  # a cascade configuration's graph (networkx.DiGraph)
+    # (prompt ids, max new tokens, sampling, seed, count) -> ``count`` independent continuations, batched
+    # for speed (the distribution check); None: not checked (transformers' assisted decoding, batch 1 only)
+    draw: Callable[[list[int], int, Any, int, int], list[list[int]]] | None = None
 
 
 @dataclass
 class Sample:
     config: str
+    mode: str  # mode_label(sampling)
     prompt: int
     repeat: int
     tokens: int
@@ -61,6 +77,7 @@ class Sample:
 @dataclass
 class ConfigReport:
     name: str
+    mode: str  # "greedy" or e.g. "T=0.8, top-p 0.95"
     tokens_per_second_median: float
     tokens_per_second_ci: tuple[float, float]
     speedup_median: float  # median over prompts of (this / plain), both measured in this run
@@ -74,7 +91,27 @@ class ConfigReport:
     predicted_path: list[str] = field(default_factory=list)
     edges: list[str] = field(default_factory=list)  # a cascade configuration's graph
     measured_over_predicted: float | None = None
-    mismatches: list[int] = field(default_factory=list)  # prompts whose output differs from plain
+    mismatches: list[int] = field(default_factory=list)  # greedy: prompts whose output differs from plain
+    repetition_median: float = 0.0  # median over prompts (mean over repeats) of repetition()
+    speedup_nonloop_median: float | None = None  # over the prompts whose plain text is no loop
+    nonloop_prompts: int = 0
+    distribution: DistributionCheck | None = None  # sampled: the distribution check
+
+    @property
+    def exact(self) -> bool:
+        return not self.mismatches and (self.distribution is None or self.distribution.passed)
+
+
+def mode_label(sampling) -> str:
+    """``greedy``, or the sampling parameters that are on, e.g. ``T=0.8, top-p 0.95``."""
+    if sampling.greedy:
+        return "greedy"
+    parts = [f"T={sampling.temperature:g}"]
+    if sampling.top_p < 1:
+        parts.append(f"top-p {sampling.top_p:g}")
+    if sampling.top_k:
+        parts.append(f"top-k {sampling.top_k}")
+    return ", ".join(parts)
 
 
 def _median_ci(values: list[float], resamples: int = 5000, seed: int = 0) -> tuple[float, float]:
@@ -105,7 +142,7 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
     import torch
 
     from cascade.api import Cascade
-    from cascade.tools.baselines import plain_generate
+    from cascade.tools.baselines import generate_kwargs, plain_generate
     from cascade.topology import topology_from_dict
     from policies import from_spec
 
@@ -116,18 +153,27 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
     fixed = topo.spec.policy.params.get("lookahead", {}) if topo.spec.policy.name == "fixed" else {}
 
     def hf_run(**kwargs):
-        def run(ids: list[int], n: int):
+        def run(ids: list[int], n: int, sampling, seed: int):
             t = torch.tensor([ids])
+            torch.manual_seed(seed)  # transformers samples from torch's global generator
             t0 = time.perf_counter()
             with torch.inference_mode():
-                out = auth_model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
-                                          max_new_tokens=n, **kwargs)
+                out = auth_model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n,
+                                          **generate_kwargs(sampling), **kwargs)
             return out[0, len(ids):].tolist(), time.perf_counter() - t0, None
         return run
 
-    def plain(ids, n):
-        new, secs = plain_generate(auth_model, ids, n)
+    def plain(ids, n, sampling, seed):
+        new, secs = plain_generate(auth_model, ids, n, sampling, seed)
         return new, secs, None
+
+    def plain_draw(ids, n, sampling, seed, count):
+        t = torch.tensor([ids])
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = auth_model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n,
+                                      num_return_sequences=count, **generate_kwargs(sampling))
+        return out[:, len(ids):].tolist()
 
     cascades: dict[tuple[str, ...], Cascade] = {}
 
@@ -142,16 +188,23 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
         c = cascades[path]
         policy = from_spec(policy_spec)
 
-        def run(ids: list[int], n: int):
-            g = c.generate(ids, max_new_tokens=n, temperature=0.0, policy=policy)
+        def run(ids: list[int], n: int, sampling, seed: int):
+            g = c.generate(ids, max_new_tokens=n, temperature=sampling.temperature, top_k=sampling.top_k,
+                           top_p=sampling.top_p, seed=seed, policy=policy)
             return g.token_ids, g.stats.wall_seconds, g.stats
-        return Config(name, "cascade", path, policy_spec, run, c.topology.graph)
+
+        def draw(ids: list[int], n: int, sampling, seed: int, count: int):
+            # the batched engine, one row per draw; row i is seeded seed + i
+            gs = c.generate([ids] * count, max_new_tokens=n, temperature=sampling.temperature, top_k=sampling.top_k,
+                            top_p=sampling.top_p, seed=seed, policy=policy, batch_size=min(count, 64))
+            return [g.token_ids for g in gs]
+        return Config(name, "cascade", path, policy_spec, run, c.topology.graph, draw)
 
     def fixed_spec(path: tuple[str, ...]) -> str:
         defaults = {n: fixed.get(n, 3 + 2 * i) for i, n in enumerate(path[:-1])}
         return "fixed:lookahead={" + ", ".join(f"{k}: {v}" for k, v in defaults.items()) + "}"
 
-    configs = [Config("plain", "plain", (authority,), run=plain)]
+    configs = [Config("plain", "plain", (authority,), run=plain, draw=plain_draw)]
     configs.append(cascade_config("cascade:authority", (authority,), "fixed"))
     if assisted:
         for d in hf_drafts:
@@ -215,206 +268,204 @@ def main_path(stats) -> tuple[str, ...]:
 
 def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repeats: int = 1,
               out: str | Path | None = None, prompt_lookup: int = 10, only: list[str] | None = None,
-              progress: bool = True, seed: int = 0) -> tuple[list[ConfigReport], list[Sample]]:
-    from tqdm import tqdm
+              progress: bool = True, seed: int = 0, samplings: list | None = None,
+              exactness_draws: int = 300, exactness_tokens: int = 2) -> tuple[list[ConfigReport], list[Sample]]:
+    """Every configuration on every prompt, ``repeats`` times, in each sampling mode of
+    ``samplings`` (:class:`cascade.sampling.Sampling`; default greedy), all interleaved; then,
+    for each sampled mode, the distribution check of every configuration against plain
+    sampling (``exactness_draws`` draws of the first ``exactness_tokens`` tokens each; 0 skips
+    it). The reports come per mode, in the order of ``samplings``."""
+    from cascade.sampling import Sampling
 
+    samplings = samplings or [Sampling()]
+    topo, workers, tokenizer = _load(topology)
+    configs = build_configs(topo, workers, tokenizer, prompt_lookup)
+    if only:
+        configs = [c for c in configs if c.name == "plain" or any(o in c.name for o in only)]
+    ids = [tokenizer.encode(p) for p in prompts]
+    checks: dict[tuple[str, str], DistributionCheck] = {}
+    try:
+        samples = _timed_runs(configs, samplings, ids, max_new_tokens, repeats, seed, progress,
+                              _PassCounter(workers[topo.authority].model))
+        if exactness_draws:
+            for sampling in samplings:
+                if not sampling.greedy:
+                    checks.update(_check_distributions(configs, sampling, ids, workers[topo.authority].model,
+                                                       tokenizer.eos_token_id, exactness_draws, exactness_tokens,
+                                                       seed, progress))
+    finally:
+        for w in workers.values():
+            w.close()
+    reports = [r for sampling in samplings for r in summarize(configs, samples, len(ids), mode_label(sampling))]
+    for r in reports:
+        r.distribution = checks.get((r.mode, r.name))
+    if out is not None:
+        write_report(Path(out), reports, samples, dict(
+            topology=topology, prompts=len(prompts), max_new_tokens=max_new_tokens, repeats=repeats,
+            prompt_lookup=prompt_lookup, seed=seed, modes=[mode_label(s) for s in samplings],
+            samplings=[s.model_dump() for s in samplings], exactness_draws=exactness_draws,
+            exactness_tokens=exactness_tokens))
+    return reports, samples
+
+
+def _load(topology: str):
+    """The topology (with a free n-gram level added if it has none, for the n-gram
+    configurations), its workers and its tokenizer."""
     from cascade.build import build_workers, load_tokenizer
     from cascade.topology import load_topology, topology_from_dict
 
     topo = load_topology(topology)
-    if not any(lv.kind == "ngram" for lv in topo.spec.levels):  # add the free level for the ngram configs
+    if not any(lv.kind == "ngram" for lv in topo.spec.levels):
         data = topo.spec.model_dump()
         data["levels"].insert(0, {"name": "ngram", "kind": "ngram"})
         if data["edges"] is not None:  # else the chain in listed order, the n-gram level first
             data["edges"] = [["ngram", data["levels"][1]["name"]]] + data["edges"]
         data["policy"] = {"name": "fixed", "params": {}}
         topo = topology_from_dict(data, topo.source, topo.base_dir, check_models=False)
-    workers = build_workers(topo)
-    tokenizer = load_tokenizer(topo)
-    configs = build_configs(topo, workers, tokenizer, prompt_lookup)
-    if only:
-        configs = [c for c in configs if c.name == "plain" or any(o in c.name for o in only)]
-    counter = _PassCounter(workers[topo.authority].model)
-    ids = [tokenizer.encode(p) for p in prompts]
+    return topo, build_workers(topo), load_tokenizer(topo)
+
+
+def _timed_runs(configs: list[Config], samplings: list, ids: list[list[int]], max_new_tokens: int, repeats: int,
+                seed: int, progress: bool, counter: _PassCounter) -> list[Sample]:
+    """After a warm-up, each (repeat, prompt): every configuration in every mode, in a fresh
+    random order. Run ``r`` of prompt ``i`` is seeded ``seed + 1000 r + i`` in every
+    configuration (their random streams differ all the same: only distributions compare)."""
+    from tqdm import tqdm
+
     samples: list[Sample] = []
     try:
-        for c in configs:  # warm-up
-            c.run(ids[0], 8)
+        for sampling in samplings:
+            for c in configs:
+                c.run(ids[0], 8, sampling, seed)
         rng = random.Random(seed)
+        runs = [(sampling, c) for sampling in samplings for c in configs]
         trials = [(r, i) for r in range(repeats) for i in range(len(ids))]
-        bar = tqdm(total=len(trials) * len(configs), desc="bench", unit="run", disable=not progress, file=sys.stderr)
+        bar = tqdm(total=len(trials) * len(runs), desc="bench", unit="run", disable=not progress, file=sys.stderr)
         for r, i in trials:
-            order = list(configs)
+            order = list(runs)
             rng.shuffle(order)
-            for c in order:
+            for sampling, c in order:
                 before = counter.count
-                tokens, seconds, stats = c.run(ids[i], max_new_tokens)
-                samples.append(Sample(c.name, i, r, len(tokens), seconds, counter.count - before, tokens, stats))
+                tokens, seconds, stats = c.run(ids[i], max_new_tokens, sampling, seed + 1000 * r + i)
+                samples.append(Sample(c.name, mode_label(sampling), i, r, len(tokens), seconds,
+                                      counter.count - before, tokens, stats))
                 bar.update()
         bar.close()
     finally:
         counter.close()
-        for w in workers.values():
-            w.close()
-    reports = summarize(configs, samples, len(ids))
-    if out is not None:
-        write_report(Path(out), reports, samples, dict(topology=topology, prompts=len(prompts),
-                                                       max_new_tokens=max_new_tokens, repeats=repeats,
-                                                       prompt_lookup=prompt_lookup, seed=seed))
-    return reports, samples
+    return samples
 
 
-def summarize(configs: list[Config], samples: list[Sample], n_prompts: int) -> list[ConfigReport]:
-    from cascade.stats import RequestStats
+def _check_distributions(configs: list[Config], sampling, ids: list[list[int]], authority_model, eos: int | None,
+                         draws: int, tokens: int, seed: int, progress: bool) -> dict[tuple[str, str], DistributionCheck]:
+    """The distribution check (:mod:`cascade.tools.exactness`) of every configuration that can
+    draw (all but transformers' assisted decoding), on the short prompt prefix whose next token
+    is most uncertain, against one sample of plain sampling (torch's generator seeded ``seed``; the
+    cascade's rows seeded ``seed + 1 ...``, their own generators)."""
+    from tqdm import tqdm
 
-    def per_prompt(name: str) -> list[float]:
-        rates = []
-        for i in range(n_prompts):
-            xs = [s for s in samples if s.config == name and s.prompt == i]
-            rates.append(sum(s.tokens for s in xs) / sum(s.seconds for s in xs))
-        return rates
+    from cascade.tools.exactness import check_distribution, uncertain_prefix
 
-    plain = per_prompt("plain")
+    prompt, length = uncertain_prefix(authority_model, ids, sampling)
+    prefix = ids[prompt][:length]
+    plain = next(c for c in configs if c.kind == "plain")
+    reference = plain.draw(prefix, tokens, sampling, seed, draws)
+    checks = {}
+    for c in tqdm([c for c in configs if c is not plain and c.draw is not None],
+                  desc=f"distribution check ({mode_label(sampling)})", disable=not progress, file=sys.stderr):
+        got = c.draw(prefix, tokens, sampling, seed + 1, draws)
+        checks[(mode_label(sampling), c.name)] = check_distribution(c.name, reference, got, tokens, eos,
+                                                                    (prompt, length))
+    return checks
+
+
+def summarize(configs: list[Config], samples: list[Sample], n_prompts: int, mode: str = "greedy") -> list[ConfigReport]:
+    """One report per configuration from the samples of one mode. Speedups are per prompt (this
+    configuration's tokens/s over plain's, summed over repeats), median over prompts; the
+    non-loop speedup takes only the prompts whose plain continuation has repetition below
+    ``LOOP_THRESHOLD`` (mean over repeats)."""
+    samples = [s for s in samples if s.mode == mode]
+
+    def per_prompt(name: str, value: Callable[[list[Sample]], float]) -> list[float]:
+        return [value([s for s in samples if s.config == name and s.prompt == i]) for i in range(n_prompts)]
+
+    def rate(xs: list[Sample]) -> float:
+        return sum(s.tokens for s in xs) / sum(s.seconds for s in xs)
+
+    def mean_repetition(xs: list[Sample]) -> float:
+        return statistics.fmean(repetition(s.token_ids, NGRAM) for s in xs)
+
+    plain = per_prompt("plain", rate)
+    nonloop = [i for i, x in enumerate(per_prompt("plain", mean_repetition)) if x < LOOP_THRESHOLD]
     plain_ids = {(s.prompt, s.repeat): s.token_ids for s in samples if s.config == "plain"}
     plain_spt = sum(s.seconds for s in samples if s.config == "plain") / sum(
         s.tokens for s in samples if s.config == "plain")
     reports = []
     for c in configs:
         xs = [s for s in samples if s.config == c.name]
-        rates = per_prompt(c.name)
+        rates = per_prompt(c.name, rate)
         speedups = [a / b for a, b in zip(rates, plain)]
-        tokens = sum(s.tokens for s in xs)
         rep = ConfigReport(
-            c.name, statistics.median(rates), _median_ci(rates), statistics.median(speedups), _median_ci(speedups),
-            sum(s.authority_passes for s in xs) / tokens,
-            mismatches=sorted({s.prompt for s in xs if s.token_ids != plain_ids[(s.prompt, s.repeat)]}),
+            c.name, mode, statistics.median(rates), _median_ci(rates), statistics.median(speedups),
+            _median_ci(speedups), sum(s.authority_passes for s in xs) / sum(s.tokens for s in xs),
+            repetition_median=statistics.median(per_prompt(c.name, mean_repetition)),
+            speedup_nonloop_median=statistics.median([speedups[i] for i in nonloop]) if nonloop else None,
+            nonloop_prompts=len(nonloop),
         )
+        if mode == "greedy":  # under sampling the random streams differ: checked by distribution instead
+            rep.mismatches = sorted({s.prompt for s in xs if s.token_ids != plain_ids[(s.prompt, s.repeat)]})
         if c.kind == "cascade":
-            rep.edges = [f"{a}->{b}" for a, b in c.graph.edges]
-            merged = RequestStats(c.path[-1])
-            for s in xs:
-                merged.merge(s.stats)
-            rep.acceptance = {k: e.acceptance_rate for k, e in merged.edges.items()}
-            rep.acceptance_by_position = {k: e.conditional_acceptance() for k, e in merged.edges.items()}
-            rep.level_seconds_per_token = {k: v.seconds / tokens for k, v in merged.levels.items()}
-            wall = sum(s.seconds for s in xs)
-            rep.orchestration_seconds_per_token = (wall - sum(v.seconds for v in merged.levels.values())) / tokens
-            path = main_path(merged)
-            predicted = predicted_seconds_per_token(path, merged) if len(path) > 1 else None
-            if predicted:
-                rep.predicted_path = list(path)
-                rep.predicted_speedup = plain_spt / predicted
-                rep.measured_over_predicted = (plain_spt / (wall / tokens)) / rep.predicted_speedup
+            _cascade_fields(rep, c, xs, plain_spt)
         reports.append(rep)
     return reports
 
 
-def markdown(reports: list[ConfigReport], config: dict) -> str:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    lines = [
-        f"Topology `{config['topology']}`, {config['prompts']} prompts x {config['repeats']} repeat(s), "
-        f"{config['max_new_tokens']} new tokens, greedy; all configurations interleaved in one process "
-        f"(peak RSS of the process: {rss:.0f} MiB).",
-        "",
-        "| configuration | tokens/s (median, 95% CI) | speedup vs plain | authority passes/token | "
-        "predicted speedup | measured ÷ predicted | output |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in reports:
-        pred = f"{r.predicted_speedup:.2f}x" if r.predicted_speedup else "—"
-        share = f"{r.measured_over_predicted:.2f}" if r.measured_over_predicted else "—"
-        same = "identical" if not r.mismatches else f"**DIFFERS** (prompts {r.mismatches})"
-        lines.append(
-            f"| {r.name} | {r.tokens_per_second_median:.1f} ({r.tokens_per_second_ci[0]:.1f}–"
-            f"{r.tokens_per_second_ci[1]:.1f}) | {r.speedup_median:.2f}x ({r.speedup_ci[0]:.2f}–{r.speedup_ci[1]:.2f}) "
-            f"| {r.authority_passes_per_token:.3f} | {pred} | {share} | {same} |"
-        )
-    lines += ["", "Acceptance per edge (cascade configurations):", ""]
-    for r in reports:
-        if r.acceptance:
-            accs = ", ".join(f"{k} {v:.2f}" for k, v in r.acceptance.items())
-            best = f" (prediction's path: {' -> '.join(r.predicted_path)})" if r.predicted_path else ""
-            lines.append(f"- {r.name}: {accs}{best}")
-    return "\n".join(lines) + "\n"
+def _cascade_fields(rep: ConfigReport, c: Config, xs: list[Sample], plain_spt: float) -> None:
+    """Acceptance, time per level and the predicted speedup of a cascade configuration."""
+    from cascade.stats import RequestStats
 
-
-def write_report(out: Path, reports: list[ConfigReport], samples: list[Sample], config: dict) -> None:
-    from dataclasses import asdict
-
-    out.mkdir(parents=True, exist_ok=True)
-    raw = [asdict(s) | {"stats": s.stats.to_dict() if s.stats is not None else None} for s in samples]
-    (out / "bench.json").write_text(json.dumps({"config": config, "reports": [asdict(r) for r in reports],
-                                                "samples": raw}, indent=1))
-    (out / "bench.md").write_text(markdown(reports, config))
-    try:
-        import matplotlib
-    except ImportError:
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4))
-    names = [r.name for r in reports]
-    ax.barh(names, [r.speedup_median for r in reports],
-            xerr=[[r.speedup_median - r.speedup_ci[0] for r in reports], [r.speedup_ci[1] - r.speedup_median for r in reports]],
-            color=["tab:gray" if not n.startswith("cascade") else "tab:blue" for n in names])
-    ax.axvline(1.0, color="black", lw=0.8)
-    ax.set_xlabel("speedup over plain decoding (median over prompts, 95% CI)")
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(out / "speedup.png", dpi=100)
-    plt.close(fig)
-
-    cascade_reports = [r for r in reports if r.acceptance_by_position]
-    if cascade_reports:
-        full = max(cascade_reports, key=lambda r: len(r.acceptance_by_position))
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for k, rates in full.acceptance_by_position.items():
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=k)
-        ax.set_title(f"acceptance by draft position: {full.name}")
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("P(accept | previous accepted)")
-        ax.set_ylim(0, 1.05)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "acceptance.png", dpi=100)
-        plt.close(fig)
-
-        fig, ax = plt.subplots(figsize=(10, 4))
-        levels = sorted({k for r in cascade_reports for k in r.level_seconds_per_token})
-        left = [0.0] * len(cascade_reports)
-        for level in levels + ["orchestration"]:
-            vals = [1000 * (r.orchestration_seconds_per_token if level == "orchestration"
-                            else r.level_seconds_per_token.get(level, 0.0)) for r in cascade_reports]
-            ax.barh([r.name for r in cascade_reports], vals, left=left, label=level)
-            left = [a + b for a, b in zip(left, vals)]
-        ax.set_xlabel("milliseconds per committed token")
-        ax.invert_yaxis()
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "time_breakdown.png", dpi=100)
-        plt.close(fig)
+    tokens = sum(s.tokens for s in xs)
+    rep.edges = [f"{a}->{b}" for a, b in c.graph.edges]
+    merged = RequestStats(c.path[-1])
+    for s in xs:
+        merged.merge(s.stats)
+    rep.acceptance = {k: e.acceptance_rate for k, e in merged.edges.items()}
+    rep.acceptance_by_position = {k: e.conditional_acceptance() for k, e in merged.edges.items()}
+    rep.level_seconds_per_token = {k: v.seconds / tokens for k, v in merged.levels.items()}
+    wall = sum(s.seconds for s in xs)
+    rep.orchestration_seconds_per_token = (wall - sum(v.seconds for v in merged.levels.values())) / tokens
+    path = main_path(merged)
+    predicted = predicted_seconds_per_token(path, merged) if len(path) > 1 else None
+    if predicted:
+        rep.predicted_path = list(path)
+        rep.predicted_speedup = plain_spt / predicted
+        rep.measured_over_predicted = (plain_spt / (wall / tokens)) / rep.predicted_speedup
 
 
 def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], max_new_tokens: int = 128,
                     policy: str | None = None, out: str | Path | None = None, progress: bool = True,
-                    requests: int = 32, repeats: int = 1) -> list[dict]:
+                    requests: int = 32, repeats: int = 1, sampling=None, seed: int = 0) -> list[dict]:
     """Throughput under load: at each concurrency B, the same ``max(requests, B)`` requests
     (the prompts, cycled) are served B at a time, by plain batched decoding of the authority
     (transformers ``generate`` with left padding, in batches of B) and by the cascade
     (``generate(..., batch_size=B)``: continuous batching, a finished request's place goes to
     the next), alternating which goes first, ``repeats`` times, after an untimed cascade run
     at that concurrency (one policy instance lives through the whole bench, as in a server).
-    Reports total tokens/s and mean per-request latency of each, and the ratio of throughputs
-    (median over repeats, with its range)."""
+    Reports total tokens/s and mean per-request latency of each, the ratio of throughputs
+    (median over repeats, with its range), and the median repetition of each side's texts.
+    ``sampling`` (a :class:`cascade.sampling.Sampling`; default greedy) applies to both sides;
+    each batch is seeded from ``seed``."""
     import statistics
 
     import torch
     from tqdm import tqdm
 
     from cascade.api import Cascade
+    from cascade.sampling import Sampling
+    from cascade.tools.baselines import generate_kwargs
     from policies import from_spec
 
+    sampling = sampling or Sampling()
     rows = []
     with Cascade.from_topology(topology) as c:
         model = c.workers[c.topology.authority].model
@@ -423,32 +474,38 @@ def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], m
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
         pol = from_spec(policy) if policy else None
 
-        def plain(batch: list[str], size: int) -> tuple[int, float, float]:
-            """(tokens, seconds, mean latency per request) serving ``batch`` in batches of ``size``; a
-            request's latency is its batch's time (time waiting for a slot is not counted)."""
-            tokens, seconds, latency = 0, 0.0, 0.0
+        def plain(batch: list[str], size: int) -> tuple[int, float, float, list[float]]:
+            """(tokens, seconds, mean latency per request, repetition per request) serving ``batch`` in
+            batches of ``size``; a request's latency is its batch's time (time waiting for a slot is not
+            counted)."""
+            tokens, seconds, latency, reps = 0, 0.0, 0.0, []
             for i in range(0, len(batch), size):
                 enc = [tok.encode(p) for p in batch[i:i + size]]
                 width = max(len(e) for e in enc)
                 ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
                 mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+                torch.manual_seed(seed + i)
                 t0 = time.perf_counter()
                 with torch.inference_mode():
-                    out_ids = model.generate(ids, attention_mask=mask, do_sample=False,
-                                             max_new_tokens=max_new_tokens, pad_token_id=pad)
+                    out_ids = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                             pad_token_id=pad, **generate_kwargs(sampling))
                 spent = time.perf_counter() - t0
-                tokens += sum(int((row != eos).cumprod(0).sum()) + int((row == eos).any())
-                              for row in out_ids[:, width:])
+                for row in out_ids[:, width:].tolist():  # up to and with the first EOS
+                    row = row[:row.index(eos) + 1] if eos in row else row
+                    tokens += len(row)
+                    reps.append(repetition(row))
                 seconds += spent
                 latency += spent * len(enc)
-            return tokens, seconds, latency / len(batch)
+            return tokens, seconds, latency / len(batch), reps
 
-        def cascade(batch: list[str], size: int) -> tuple[int, float, float]:
+        def cascade(batch: list[str], size: int) -> tuple[int, float, float, list[float]]:
             t0 = time.perf_counter()
-            gs = c.generate(batch, max_new_tokens=max_new_tokens, temperature=0.0, batch_size=size, policy=pol)
+            gs = c.generate(batch, max_new_tokens=max_new_tokens, temperature=sampling.temperature,
+                            top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, batch_size=size, policy=pol)
             seconds = time.perf_counter() - t0
             # a request's latency runs from when it joined the batch to its end
-            return sum(len(g.token_ids) for g in gs), seconds, statistics.fmean(g.stats.wall_seconds for g in gs)
+            return (sum(len(g.token_ids) for g in gs), seconds, statistics.fmean(g.stats.wall_seconds for g in gs),
+                    [repetition(g.token_ids) for g in gs])
 
         plain(prompts[:2], 2)
         cascade(prompts[:2], 2)  # warm-up
@@ -457,44 +514,30 @@ def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], m
             batch = [prompts[j % len(prompts)] for j in range(max(requests, size))]
             # a serving policy lives on: let it learn this batch size (costs, paths) untimed first
             cascade(batch[:size], size)
-            runs: dict[str, list[tuple[int, float, float]]] = {"plain": [], "cascade": []}
+            runs: dict[str, list[tuple[int, float, float, list[float]]]] = {"plain": [], "cascade": []}
             for r in range(repeats):
                 for name in (("plain", "cascade") if (i + r) % 2 == 0 else ("cascade", "plain")):
                     runs[name].append((plain if name == "plain" else cascade)(batch, size))
                 bar.update()
-            ratios = [(ct / cs) / (pt / ps) for (pt, ps, _), (ct, cs, _) in zip(runs["plain"], runs["cascade"])]
-            rows.append({"batch_size": size, "requests": len(batch), "repeats": repeats,
-                         "plain_tokens_per_second": statistics.median(t / s for t, s, _ in runs["plain"]),
-                         "cascade_tokens_per_second": statistics.median(t / s for t, s, _ in runs["cascade"]),
-                         "plain_latency_s": statistics.median(lat for _, _, lat in runs["plain"]),
-                         "cascade_latency_s": statistics.median(lat for _, _, lat in runs["cascade"]),
-                         "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                         "ratios": ratios})
+            ratios = [(ct / cs) / (pt / ps) for (pt, ps, *_), (ct, cs, *_) in zip(runs["plain"], runs["cascade"])]
+            row = {"batch_size": size, "requests": len(batch), "repeats": repeats, "mode": mode_label(sampling),
+                   "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                   "ratios": ratios}
+            for name, xs in runs.items():
+                row[f"{name}_tokens_per_second"] = statistics.median(t / s for t, s, _, _ in xs)
+                row[f"{name}_latency_s"] = statistics.median(lat for _, _, lat, _ in xs)
+                row[f"{name}_repetition"] = statistics.median(x for *_, reps in xs for x in reps)
+            rows.append(row)
         bar.close()
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "batch.json").write_text(json.dumps({"topology": topology, "max_new_tokens": max_new_tokens,
                                                     "policy": policy, "requests": requests, "repeats": repeats,
+                                                    "sampling": sampling.model_dump(), "seed": seed,
                                                     "rows": rows}, indent=1))
-        (out / "batch.md").write_text(batch_markdown(rows, topology, max_new_tokens))
+        (out / "batch.md").write_text(batch_markdown(rows, topology, max_new_tokens, mode_label(sampling)))
     return rows
-
-
-def batch_markdown(rows: list[dict], topology: str, max_new_tokens: int) -> str:
-    r0 = rows[0] if rows else {}
-    lines = [f"Topology `{topology}`, greedy, {max_new_tokens} new tokens per request; at each concurrency B the same "
-             f"{r0.get('requests', '?')} requests (64 at B = 64) are served B at a time: plain = transformers `generate` "
-             f"of the authority in batches of B, cascade = `generate(..., batch_size=B)` (continuous batching). Latency: "
-             f"mean per request, from the start of its batch (plain) or its joining (cascade) to its end. "
-             f"Ratios are the median of {r0.get('repeats', 1)} side-by-side repeats (range in brackets).", "",
-             "| concurrency B | plain tokens/s | cascade tokens/s | cascade ÷ plain | plain latency (s) | "
-             "cascade latency (s) |", "|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        spread = f" [{r['ratio_min']:.2f}–{r['ratio_max']:.2f}]" if r.get("repeats", 1) > 1 else ""
-        lines.append(f"| {r['batch_size']} | {r['plain_tokens_per_second']:.1f} | {r['cascade_tokens_per_second']:.1f} "
-                     f"| {r['ratio']:.2f}x{spread} | {r['plain_latency_s']:.2f} | {r['cascade_latency_s']:.2f} |")
-    return "\n".join(lines) + "\n"
 
 
 def add_parser(sub) -> None:
@@ -502,8 +545,11 @@ def add_parser(sub) -> None:
                        description="Run plain decoding, transformers assisted generation and prompt lookup, and "
                                    "cascade configurations on the same prompts, interleaved in one process; report "
                                    "tokens/s, speedup over plain decoding measured in the same run, authority passes "
-                                   "per token, acceptance, predicted vs measured speedup; write bench.json, bench.md "
-                                   "and PNG plots to --out.")
+                                   "per token, acceptance, predicted vs measured speedup, the repetition of each "
+                                   "configuration's text and the speedup over the prompts whose plain text is no "
+                                   "loop; check exactness (greedy: token identity; sampled: a chi-square test of "
+                                   "the first tokens' distribution against plain sampling; exit status 2 on a "
+                                   "failure); write bench.json, bench.md and PNG plots to --out.")
     p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY)
     p.add_argument("--prompts", default="examples/prompts/heldout.jsonl")
     p.add_argument("--num-prompts", type=types.positive_int, default=None)
@@ -518,6 +564,15 @@ def add_parser(sub) -> None:
     p.add_argument("--policy", type=types.policy_spec, default=None, help="cascade policy for --batch-sizes (default: the topology's)")
     p.add_argument("--requests", type=types.positive_int, default=32,
                    help="--batch-sizes: requests served at each concurrency (at least the batch size)")
+    types.add_sampling_args(p, what="every configuration, plain decoding included")
+    p.add_argument("--with-greedy", action="store_true",
+                   help="with --temperature > 0: also run every configuration greedily, interleaved in the same run, "
+                        "and report both side by side")
+    p.add_argument("--exactness-draws", type=types.nonnegative_int, default=300,
+                   help="sampled runs: draws per configuration (and of plain sampling) for the distribution check; "
+                        "0 = skip it (default 300)")
+    p.add_argument("--exactness-tokens", type=types.positive_int, default=2,
+                   help="sampled runs: leading tokens compared, jointly, by the distribution check (default 2)")
     p.add_argument("--out", required=True)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_main)
@@ -527,20 +582,26 @@ def add_parser(sub) -> None:
 def _main(args) -> int:
     from cascade.tools.baselines import load_prompts
 
+    from cascade.sampling import Sampling
+
     prompts = load_prompts(args.prompts, args.num_prompts)
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     t0 = time.perf_counter()
     if args.batch_sizes:
         run_batch_bench(args.topology, prompts, args.batch_sizes, args.max_new_tokens, args.policy, args.out,
-                        progress=not args.no_progress, requests=args.requests, repeats=args.repeats)
+                        progress=not args.no_progress, requests=args.requests, repeats=args.repeats,
+                        sampling=sampling, seed=args.seed)
         print((Path(args.out) / "batch.md").read_text())
         print(f"({time.perf_counter() - t0:.0f} s; report in {args.out})")
         return 0
+    samplings = [Sampling(), sampling] if args.with_greedy and not sampling.greedy else [sampling]
     reports, _ = run_bench(args.topology, prompts, args.max_new_tokens, args.repeats, args.out, args.prompt_lookup,
-                           args.only, progress=not args.no_progress)
+                           args.only, progress=not args.no_progress, seed=args.seed, samplings=samplings,
+                           exactness_draws=args.exactness_draws, exactness_tokens=args.exactness_tokens)
     print((Path(args.out) / "bench.md").read_text())
     print(f"({time.perf_counter() - t0:.0f} s; report in {args.out})")
-    bad = [r.name for r in reports if r.mismatches]
+    bad = [f"{r.name} ({r.mode})" for r in reports if not r.exact]
     if bad:
-        print(f"OUTPUT MISMATCH against plain decoding: {bad}", file=sys.stderr)
+        print(f"EXACTNESS FAILURE against plain decoding: {bad}", file=sys.stderr)
         return 2
     return 0

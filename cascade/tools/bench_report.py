@@ -1,0 +1,209 @@
+"""``cascade bench``'s reports: ``bench.md`` (and ``batch.md``), ``bench.json`` and the plots."""
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+from cascade.tools.repetition import LOOP_THRESHOLD, NGRAM
+
+# ConfigReport and Sample, in annotations, are cascade.tools.bench's (not imported: no cycle)
+
+
+def markdown(reports: list[ConfigReport], config: dict) -> str:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    modes = list(dict.fromkeys(r.mode for r in reports))
+    lines = [
+        f"Topology `{config['topology']}`, {config['prompts']} prompts x {config['repeats']} repeat(s), "
+        f"{config['max_new_tokens']} new tokens, {' and '.join(modes)}; all configurations"
+        f"{' in both modes' if len(modes) > 1 else ''} interleaved in one process "
+        f"(peak RSS of the process: {rss:.0f} MiB). Repetition: share of a continuation's tokens that close a "
+        f"{NGRAM}-gram already in it, median over prompts; a continuation is a loop at >= {LOOP_THRESHOLD}.",
+        "",
+    ]
+    if len(modes) > 1:
+        lines += _side_by_side(reports, modes) + [""]
+    for mode in modes:
+        rows = [r for r in reports if r.mode == mode]
+        lines += [f"### {mode}", "", _nonloop_line(rows), _exactness_line(rows, config), ""]
+        lines += [
+            "| configuration | tokens/s (median, 95% CI) | speedup vs plain | speedup, non-loop prompts | "
+            "repetition | authority passes/token | predicted speedup | measured ÷ predicted | exactness |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            pred = f"{r.predicted_speedup:.2f}x" if r.predicted_speedup else "—"
+            share = f"{r.measured_over_predicted:.2f}" if r.measured_over_predicted else "—"
+            lines.append(
+                f"| {r.name} | {r.tokens_per_second_median:.1f} ({r.tokens_per_second_ci[0]:.1f}–"
+                f"{r.tokens_per_second_ci[1]:.1f}) | {r.speedup_median:.2f}x ({r.speedup_ci[0]:.2f}–"
+                f"{r.speedup_ci[1]:.2f}) | {_x(r.speedup_nonloop_median)} | {r.repetition_median:.2f} "
+                f"| {r.authority_passes_per_token:.3f} | {pred} | {share} | {_exactness_cell(r)} |"
+            )
+        lines += ["", f"Acceptance per edge (cascade configurations, {mode}):", ""]
+        for r in rows:
+            if r.acceptance:
+                accs = ", ".join(f"{k} {v:.2f}" for k, v in r.acceptance.items())
+                best = f" (prediction's path: {' -> '.join(r.predicted_path)})" if r.predicted_path else ""
+                lines.append(f"- {r.name}: {accs}{best}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _x(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def _nonloop_line(rows: list[ConfigReport]) -> str:
+    n = rows[0].nonloop_prompts if rows else 0
+    plain = next((r for r in rows if r.name == "plain"), None)
+    rep = f"{plain.repetition_median:.2f}" if plain else "?"
+    return (f"Plain decoding's repetition: {rep} (median); {n} prompt(s) have a plain continuation that is not "
+            f"a loop (repetition < {LOOP_THRESHOLD}): the non-loop speedup is the median over those.")
+
+
+def _exactness_line(rows: list[ConfigReport], config: dict) -> str:
+    if rows and rows[0].mode == "greedy":
+        return "Exactness: every output compared token by token with plain greedy decoding's."
+    check = next((r.distribution for r in rows if r.distribution is not None), None)
+    if check is None:
+        return "Exactness: **not checked** (no distribution check in this run)."
+    return (f"Exactness by distribution: the first {check.tokens} generated tokens after the first "
+            f"{check.prompt_tokens} tokens of prompt {check.prompt} (a short prefix whose next token is uncertain "
+            f"among a few common ones), {check.draws} seeded draws from each configuration against {check.draws} "
+            f"from plain sampling of the authority; at each position a Pearson chi-square test of homogeneity "
+            f"(outcomes with expected count < 5 pooled); p = {check.tokens} x the smallest (Bonferroni); a "
+            f"configuration fails if p <= {check.bound:g}. TV: empirical total variation at that position.")
+
+
+def _exactness_cell(r: ConfigReport) -> str:
+    if r.name == "plain":
+        return "baseline"
+    if r.mode == "greedy":
+        return "identical" if not r.mismatches else f"**DIFFERS** (prompts {r.mismatches})"
+    if r.distribution is None:
+        return "not checked" + (" (transformers' own sampler)" if r.name.startswith("hf-") else "")
+    p = f"{r.distribution.p_value:.2g}"
+    return f"p = {p}, TV {r.distribution.total_variation:.2f}" if r.distribution.passed else f"**FAILS** (p = {p})"
+
+
+def _side_by_side(reports: list[ConfigReport], modes: list[str]) -> list[str]:
+    """One row per configuration, each mode's speedups and repetition next to each other."""
+    head = " | ".join(f"speedup, {m} | non-loop, {m} | repetition, {m}" for m in modes)
+    lines = [f"| configuration | {head} |", "|---" * (1 + 3 * len(modes)) + "|"]
+    by = {(r.mode, r.name): r for r in reports}
+    for name in dict.fromkeys(r.name for r in reports):
+        cells = []
+        for m in modes:
+            r = by.get((m, name))
+            cells += [_x(r.speedup_median), _x(r.speedup_nonloop_median), f"{r.repetition_median:.2f}"] if r else ["—"] * 3
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_report(out: Path, reports: list[ConfigReport], samples: list[Sample], config: dict) -> None:
+    from dataclasses import asdict
+
+    out.mkdir(parents=True, exist_ok=True)
+    raw = [asdict(s) | {"stats": s.stats.to_dict() if s.stats is not None else None} for s in samples]
+    rows = [asdict(r) | {"exact": r.exact} for r in reports]
+    for row, r in zip(rows, reports):
+        if r.distribution is not None:
+            row["distribution"]["passed"] = r.distribution.passed
+    (out / "bench.json").write_text(json.dumps({"config": config, "reports": rows, "samples": raw}, indent=1))
+    (out / "bench.md").write_text(markdown(reports, config))
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(r.mode for r in reports))
+    _speedup_plot(plt, out / "speedup.png", reports, modes)
+    cascade_reports = [r for r in reports if r.acceptance_by_position]
+    if cascade_reports:
+        _acceptance_plot(plt, out / "acceptance.png", cascade_reports, modes)
+        _time_plot(plt, out / "time_breakdown.png", cascade_reports, modes)
+
+
+def _speedup_plot(plt, path: Path, reports: list[ConfigReport], modes: list[str]) -> None:
+    """Per mode: each configuration's speedup over all prompts (with its 95% CI) and over the
+    non-loop prompts, its text's repetition written beside the bars."""
+    fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 0.45 * len(reports) / len(modes) + 2),
+                             sharey=True, squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        rows = [r for r in reports if r.mode == mode]
+        y = list(range(len(rows)))
+        ax.barh([i - 0.2 for i in y], [r.speedup_median for r in rows], height=0.4,
+                xerr=[[r.speedup_median - r.speedup_ci[0] for r in rows], [r.speedup_ci[1] - r.speedup_median for r in rows]],
+                color=["tab:blue" if r.name.startswith("cascade") else "tab:gray" for r in rows], label="all prompts")
+        ax.barh([i + 0.2 for i in y], [r.speedup_nonloop_median or 0.0 for r in rows], height=0.4,
+                color="tab:orange", label=f"{rows[0].nonloop_prompts} non-loop prompts")
+        for i, r in zip(y, rows):
+            ax.text(max(r.speedup_ci[1], r.speedup_nonloop_median or 0) + 0.05, i,
+                    f"rep. {r.repetition_median:.2f}", va="center", fontsize=7)
+        ax.set_yticks(y, [r.name for r in rows])
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set_title(mode)
+        ax.set_xlabel("speedup over plain decoding (median over prompts)")
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0][0].invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _acceptance_plot(plt, path: Path, cascade_reports: list[ConfigReport], modes: list[str]) -> None:
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 3.5), squeeze=False, sharey=True)
+    for ax, mode in zip(axes[0], modes):
+        rows = [r for r in cascade_reports if r.mode == mode]
+        full = max(rows, key=lambda r: len(r.acceptance_by_position))
+        for k, rates in full.acceptance_by_position.items():
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=k)
+        ax.set_title(f"acceptance by draft position: {full.name} ({mode})", fontsize=9)
+        ax.set_xlabel("draft position")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("P(accept | previous accepted)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _time_plot(plt, path: Path, cascade_reports: list[ConfigReport], modes: list[str]) -> None:
+    fig, axes = plt.subplots(1, len(modes), figsize=(8 * len(modes), 4), squeeze=False, sharey=True)
+    levels = sorted({k for r in cascade_reports for k in r.level_seconds_per_token})
+    for ax, mode in zip(axes[0], modes):
+        rows = [r for r in cascade_reports if r.mode == mode]
+        left = [0.0] * len(rows)
+        for level in levels + ["orchestration"]:
+            vals = [1000 * (r.orchestration_seconds_per_token if level == "orchestration"
+                            else r.level_seconds_per_token.get(level, 0.0)) for r in rows]
+            ax.barh([r.name for r in rows], vals, left=left, label=level)
+            left = [a + b for a, b in zip(left, vals)]
+        ax.set_title(mode)
+        ax.set_xlabel("milliseconds per committed token")
+        ax.legend(fontsize=8)
+    axes[0][0].invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def batch_markdown(rows: list[dict], topology: str, max_new_tokens: int, mode: str = "greedy") -> str:
+    r0 = rows[0] if rows else {}
+    lines = [f"Topology `{topology}`, {mode}, {max_new_tokens} new tokens per request; at each concurrency B the same "
+             f"{r0.get('requests', '?')} requests (more if B is larger) are served B at a time: plain = transformers "
+             f"`generate` of the authority in batches of B, cascade = `generate(..., batch_size=B)` (continuous "
+             f"batching). Latency: mean per request, from the start of its batch (plain) or its joining (cascade) to "
+             f"its end. Ratios are the median of {r0.get('repeats', 1)} side-by-side repeats (range in brackets). "
+             f"Repetition: median over requests of the share of tokens closing a {NGRAM}-gram already in the text.", "",
+             "| concurrency B | plain tokens/s | cascade tokens/s | cascade ÷ plain | plain latency (s) | "
+             "cascade latency (s) | repetition, plain | repetition, cascade |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        spread = f" [{r['ratio_min']:.2f}–{r['ratio_max']:.2f}]" if r.get("repeats", 1) > 1 else ""
+        lines.append(f"| {r['batch_size']} | {r['plain_tokens_per_second']:.1f} | {r['cascade_tokens_per_second']:.1f} "
+                     f"| {r['ratio']:.2f}x{spread} | {r['plain_latency_s']:.2f} | {r['cascade_latency_s']:.2f} "
+                     f"| {r['plain_repetition']:.2f} | {r['cascade_repetition']:.2f} |")
+    return "\n".join(lines) + "\n"

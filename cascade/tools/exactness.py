@@ -1,0 +1,158 @@
+"""Exactness at T > 0, checked by distribution inside the benchmarks.
+
+Under sampling, token identity with plain decoding no longer applies (the two draw from
+different random streams), but the distribution must still be the authority's own. The check:
+
+1. on one fixed prompt, draw the first ``tokens`` generated tokens (default 2) ``draws`` times
+   from the configuration under test (one seed per draw), and as many times from **plain
+   sampling of the authority** (transformers ``generate(do_sample=True)``, the bench's
+   baseline). The prompt: a short prefix of a measured prompt after which the next token is
+   uncertain among a few common outcomes (:func:`uncertain_prefix`), so that draws are cheap
+   and a wrong sampler shows;
+2. at each position ``j < tokens``, compare the two samples of the token there (or "ended", past
+   an EOS) with Pearson's chi-square test of homogeneity on the 2 x C table of counts, after
+   pooling: an outcome keeps its own column only if its expected count is at least
+   :data:`MIN_EXPECTED` in both rows, the rest share one "other" column (merged into the
+   smallest kept column if it is itself below that). Positions are tested one by one, not
+   jointly: a few hundred draws spread over pairs of tokens are too thin to test;
+3. **the bound**: the configuration passes if ``tokens x`` the smallest per-position p-value
+   (Bonferroni) is above :data:`P_BOUND` = 1e-3. With a dozen configurations checked, a
+   correct bench fails by chance about once in eighty runs. A wrong sampler is far outside it:
+   on the bundled models, 300 draws of plain sampling at T = 0.6 or 1.0 where 0.8 (top-p 0.95)
+   is asked give p ~ 1e-5 and 1e-9 at the first position. A subtle error (a few percent of
+   the mass moved, as top-p 0.95 against 1 does) is below what a few hundred draws can see:
+   the exhaustive tests in ``tests/test_distribution.py`` (100k draws) cover those.
+
+The empirical total variation between the two samples at the worst position is reported beside
+the test, as a size of the difference (biased upwards by sampling noise: two samples of one
+distribution with many outcomes do not have zero TV).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+P_BOUND = 1e-3
+MIN_EXPECTED = 5.0
+ENDED = -1  # the outcome at a position past the continuation's EOS
+
+
+@dataclass
+class DistributionCheck:
+    config: str
+    draws: int  # per side
+    tokens: int  # leading positions compared, one by one
+    prompt: int  # index of the prompt used
+    prompt_tokens: int  # length of its prefix used
+    p_value: float  # Bonferroni: tokens x the smallest per-position p-value, at most 1
+    position_p_values: list[float] = field(default_factory=list)
+    columns: int = 0  # at the worst position: outcomes after pooling,
+    chi_square: float = 0.0  # the statistic,
+    dof: int = 0  # its degrees of freedom,
+    total_variation: float = 0.0  # and the empirical TV between the two samples
+    bound: float = P_BOUND
+
+    @property
+    def passed(self) -> bool:
+        return self.p_value > self.bound
+
+
+def homogeneity(reference: Sequence[Hashable], observed: Sequence[Hashable],
+                min_expected: float = MIN_EXPECTED) -> tuple[float, int, float, int]:
+    """Pearson chi-square test that two samples of outcomes come from one distribution.
+
+    Returns (statistic, degrees of freedom, p-value, columns after pooling, as in the module
+    docstring). One column (every draw the same outcome, or too few draws to keep two) leaves
+    nothing to test: statistic 0, p-value 1.
+    """
+    rows = [Counter(reference), Counter(observed)]
+    n = [len(reference), len(observed)]
+    total = sum(n)
+    if min(n) == 0:
+        raise ValueError("homogeneity: both samples must be non-empty")
+    totals = rows[0] + rows[1]
+    # expected count of an outcome in row r: n[r] * column total / total; the smaller row binds
+    kept = [k for k, c in totals.most_common() if min(n) * c / total >= min_expected]
+    rest = [k for k in totals if k not in set(kept)]
+    columns = [[rows[0][k], rows[1][k]] for k in kept]
+    if rest:
+        other = [sum(rows[0][k] for k in rest), sum(rows[1][k] for k in rest)]
+        if columns and min(n) * sum(other) / total < min_expected:
+            columns[-1] = [columns[-1][0] + other[0], columns[-1][1] + other[1]]  # the smallest kept
+        else:
+            columns.append(other)
+    if len(columns) < 2:
+        return 0.0, 0, 1.0, len(columns)
+    stat = 0.0
+    for col in columns:
+        col_total = col[0] + col[1]
+        for r in (0, 1):
+            expected = n[r] * col_total / total
+            stat += (col[r] - expected) ** 2 / expected
+    dof = len(columns) - 1
+    return stat, dof, chi_square_sf(stat, dof), len(columns)
+
+
+def chi_square_sf(stat: float, dof: int) -> float:
+    """P(X >= stat) for X ~ chi-square(dof): the regularised upper incomplete gamma function."""
+    import torch
+
+    if dof <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def total_variation(reference: Sequence[Hashable], observed: Sequence[Hashable]) -> float:
+    a, b = Counter(reference), Counter(observed)
+    return 0.5 * sum(abs(a[k] / len(reference) - b[k] / len(observed)) for k in set(a) | set(b))
+
+
+def position(continuations: Sequence[Sequence[int]], j: int, eos: int | None) -> list[int]:
+    """The token at position ``j`` of each continuation, or :data:`ENDED` past its EOS (or its end)."""
+    out = []
+    for x in continuations:
+        x = list(x)
+        ended = len(x) <= j or (eos is not None and eos in x[:j])
+        out.append(ENDED if ended else int(x[j]))
+    return out
+
+
+def check_distribution(config: str, reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]],
+                       tokens: int = 2, eos: int | None = None, prompt: tuple[int, int] = (0, 0)) -> DistributionCheck:
+    """Test ``candidate``'s continuations against ``reference``'s (plain sampling's) at each of
+    the first ``tokens`` positions (module docstring). The two must be drawn independently:
+    seeded from different seeds or generators."""
+    tests = []
+    for j in range(tokens):
+        ref, got = position(reference, j, eos), position(candidate, j, eos)
+        tests.append((*homogeneity(ref, got), total_variation(ref, got)))
+    worst = min(range(tokens), key=lambda j: tests[j][2])
+    stat, dof, p, columns, tv = tests[worst]
+    return DistributionCheck(config, len(candidate), tokens, *prompt, p_value=min(1.0, tokens * p),
+                             position_p_values=[t[2] for t in tests], columns=columns, chi_square=stat, dof=dof,
+                             total_variation=tv)
+
+
+def uncertain_prefix(model, prompts_ids: Sequence[Sequence[int]], sampling, shortest: int = 8,
+                     longest: int = 24, common: float = 0.05) -> tuple[int, int]:
+    """(prompt index, length): the prefix of ``shortest``..``longest`` tokens, over all the
+    prompts, after which the authority's next token is most uncertain *among common outcomes*
+    under ``sampling``: the most mass on tokens of probability >= ``common`` other than the
+    likeliest (one forward pass per prompt). Short, so that hundreds of draws cost little;
+    uncertain among a few tokens each drawn often, so that a wrong sampler shows (a flat
+    distribution spreads a few hundred draws too thin to test)."""
+    import torch
+
+    best, best_score = (0, min(longest, len(prompts_ids[0]))), -1.0
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        for i, ids in enumerate(prompts_ids):
+            ids = list(ids)[:longest]
+            probs = sampling.probs(model(torch.tensor([ids], device=device)).logits[0])  # [len, vocab]
+            score = probs.masked_fill(probs < common, 0.0).sum(-1) - probs.max(-1).values  # [len]: after ids[:j + 1]
+            for j in range(min(shortest, len(ids)) - 1, len(ids)):
+                if float(score[j]) > best_score:
+                    best, best_score = (i, j + 1), float(score[j])
+    return best
