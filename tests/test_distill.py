@@ -248,3 +248,30 @@ def test_distill_loss_mixes_kl_and_ce():
     other = torch.log_softmax(torch.randn(2, 5, 7), -1)
     loss, _, kl = distill_loss(logits, targets, other, 0.8, 2.0)
     assert kl > 0 and torch.allclose(loss, 0.8 * 4.0 * kl + 0.2 * ce)
+
+
+def test_sigterm_stops_at_a_step_with_a_checkpoint(tmp_path, teacher_dir):
+    """A `kill` mid-stage loses nothing: the step in progress finishes, a checkpoint is written,
+    the stage returns interrupted, and the previous SIGTERM handler is back."""
+    import os
+    import signal
+
+    from cascade.train.family import make_model, parse_size
+    from cascade.train.trainer import Optimisation, Session, train_students
+
+    class KillAt(WindowSampler):
+        def batch(self, step):
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().batch(step)
+
+    tok = transformers.AutoTokenizer.from_pretrained(teacher_dir)
+    model = make_model(parse_size("1x32x2x64"), tok, seed=1)
+    before = signal.getsignal(signal.SIGTERM)
+    ckpt = tmp_path / "c.pt"
+    summary = train_students({"s": model}, None, KillAt(torch.arange(500, dtype=torch.int32) % 300, 16, 2), 10,
+                             Optimisation(lr=1e-3, warmup=1), Session(ckpt, progress=False, work_dir=tmp_path))
+    assert summary["interrupted"] and summary["steps"] == 3
+    assert torch.load(ckpt, weights_only=False)["step"] == 3
+    assert "SIGTERM, stopping at step 3/10" in (tmp_path / "distill.log").read_text()
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +92,7 @@ def train_students(students: dict, teacher, sampler, steps: int, opt: Optimisati
     ``sampler.batch(step)``; the teacher's forward (if any) is computed once per batch and shared.
 
     Returns ``{"steps": steps done, "history": {name: [(step, running CE)]}, "interrupted":
-    stopped by ``stop_after``, "train_seconds": summed over resumed sessions}``.
+    stopped by ``stop_after`` or SIGTERM, "train_seconds": summed over resumed sessions}``.
     """
     import torch
     from tqdm.auto import tqdm
@@ -105,26 +107,25 @@ def train_students(students: dict, teacher, sampler, steps: int, opt: Optimisati
                dynamic_ncols=True, mininterval=2.0)
     running = {n: None for n in students}
     tokens, done, last_ckpt = 0, start, time.time()
-    for step in range(start, steps):
-        if _out_of_time(step, steps, clock, session):
-            break
-        if session.stop_after is not None and step - start >= session.stop_after:
-            log(f"{session.desc}: stopping after {session.stop_after} steps this session (at step "
-                f"{step}/{steps}); re-run to resume", session.work_dir)
-            ckpt.save(step, clock.elapsed())
-            return _summary(step, ckpt.history, clock, interrupted=True)
-        lr = lr_at(step, steps, opt.lr, opt.warmup, opt.min_lr_ratio, clock.progress(step, steps, opt.warmup))
-        batch = sampler.batch(step).to(device)
-        post = _train_step(students, ckpt.optims, teacher, batch, lr, opt, running, device)
-        tokens += batch[:, :-1].numel()
-        done = step + 1
-        bar.update(1)
-        bar.set_postfix(post, refresh=False)
-        if done % 50 == 0 or done == steps:
-            _report(done, steps, lr, post, running, ckpt.history, tokens / max(1e-9, clock.session()), session)
-        if done < steps and ckpt.due(done, last_ckpt):
-            ckpt.save(done, clock.elapsed())
-            last_ckpt = time.time()
+    with _TermSignal() as term:
+        for step in range(start, steps):
+            if _out_of_time(step, steps, clock, session):
+                break
+            if _stop_now(step, start, steps, session, term):
+                ckpt.save(step, clock.elapsed())
+                return _summary(step, ckpt.history, clock, interrupted=True)
+            lr = lr_at(step, steps, opt.lr, opt.warmup, opt.min_lr_ratio, clock.progress(step, steps, opt.warmup))
+            batch = sampler.batch(step).to(device)
+            post = _train_step(students, ckpt.optims, teacher, batch, lr, opt, running, device)
+            tokens += batch[:, :-1].numel()
+            done = step + 1
+            bar.update(1)
+            bar.set_postfix(post, refresh=False)
+            if done % 50 == 0 or done == steps:
+                _report(done, steps, lr, post, running, ckpt.history, tokens / max(1e-9, clock.session()), session)
+            if done < steps and ckpt.due(done, last_ckpt):
+                ckpt.save(done, clock.elapsed())
+                last_ckpt = time.time()
     bar.close()
     if done > start or not session.ckpt_path.exists():
         ckpt.save(done, clock.elapsed())
@@ -202,6 +203,39 @@ def _optimizers(students: dict, opt: Optimisation, device) -> dict:
             lr=opt.lr, betas=(0.9, 0.95), eps=1e-8,
         )
     return optims
+
+
+def _stop_now(step: int, start: int, steps: int, session: Session, term: "_TermSignal") -> bool:
+    """Whether to checkpoint and return before ``step``: --stop-after reached, or SIGTERM."""
+    if term.received:
+        log(f"{session.desc}: SIGTERM, stopping at step {step}/{steps}; re-run to resume", session.work_dir)
+        return True
+    if session.stop_after is not None and step - start >= session.stop_after:
+        log(f"{session.desc}: stopping after {session.stop_after} steps this session (at step "
+            f"{step}/{steps}); re-run to resume", session.work_dir)
+        return True
+    return False
+
+
+class _TermSignal:
+    """SIGTERM (``kill``, a session ending) stops training at the next step with a checkpoint,
+    instead of losing the steps since the last one. Only where handlers can be set (the main
+    thread); on exit the previous handler is back."""
+
+    received = False
+    _previous = None
+
+    def __enter__(self) -> "_TermSignal":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def _out_of_time(step: int, steps: int, clock: "_Clock", session: Session) -> bool:
