@@ -38,16 +38,36 @@ def test_ab_end_to_end(family, tmp_path, capsys):
     assert code == 0
     stdout = capsys.readouterr().out
     assert "Mean per-prompt speed ratio B/A" in stdout and "identical tokens on every run" in stdout
+    assert "| repetition of the text (median over prompts) |" in stdout
     data = json.loads((out / "ab.json").read_text())
     s = data["summary"]
     assert s["prompts"] == 3 and s["repeats"] == 2 and len(s["per_prompt_ratio"]) == 3
     assert s["ci_low"] <= s["mean_ratio"] <= s["ci_high"] and 0 < s["p_value"] <= 1
     assert s["exactness_failures"] == []
+    assert s["a_repetition"] == s["b_repetition"]  # greedy: the same text
     assert len(data["runs"]) == 2 * 3 * 2
     assert {r["arm"] for r in data["runs"]} == {"A", "B"}
     assert "tiny->small" in data["acceptance_by_position"]["A"]
     for name in ("summary.md", "speedup.png", "acceptance.png"):
         assert (out / name).stat().st_size > 0
+
+
+def test_ab_sampled_takes_top_p_top_k_and_refuses_bad_values(family, tmp_path, capsys):
+    topo = write_topology(tmp_path / "ab.yaml", family_topology(family, ["tiny", "large"]))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):\n"}))
+    out = tmp_path / "report"
+    args = ["ab", "--topology", str(topo), "--a", "fixed:lookahead=2", "--b", "fixed:lookahead=3",
+            "--prompts", str(prompts), "--max-new-tokens", "8", "--repeats", "1", "--warmup", "0", "--out", str(out),
+            "--no-progress"]
+    assert main(args + ["--temperature", "2", "--top-p", "0.9", "--top-k", "20", "--seed", "4"]) == 0
+    stdout = capsys.readouterr().out
+    assert "temperature 2.0, top-p 0.9, top-k 20, seed 4" in stdout and "checks it by distribution" in stdout
+    config = json.loads((out / "ab.json").read_text())["config"]
+    assert (config["top_p"], config["top_k"], config["seed"]) == (0.9, 20, 4)
+    for flag, value in (("--top-p", "0"), ("--top-k", "-1"), ("--temperature", "nan"), ("--seed", "x")):
+        assert main(args + [flag, value]) == 2
+        assert f"argument {flag}" in capsys.readouterr().err
 
 
 def test_tune_finds_a_lookahead(family, tmp_path, capsys):

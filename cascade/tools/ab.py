@@ -4,13 +4,16 @@
 or, from Python, :func:`run_ab`. Reports the mean per-prompt tokens/s ratio B/A with a paired
 bootstrap 95% confidence interval and a paired sign-flip permutation p-value; writes JSON, a
 markdown summary and PNG plots. Under greedy decoding both policies must produce identical
-tokens: any difference is reported as an exactness failure.
+tokens: any difference is reported as an exactness failure. Each arm's text is reported with
+its repetition (:mod:`cascade.tools.repetition`, median over prompts): a loop flatters any
+speculative policy.
 """
 from __future__ import annotations
 
 import json
 import math
 import random
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,6 +22,7 @@ from typing import Any
 
 from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
+from cascade.tools.repetition import repetition
 
 
 @dataclass
@@ -53,6 +57,8 @@ class Summary:
     b_passes_per_token: float
     exactness_failures: list[dict[str, Any]] = field(default_factory=list)
     per_prompt_ratio: list[float] = field(default_factory=list)
+    a_repetition: float = 0.0  # median over prompts (mean over repeats) of the arm's text's repetition
+    b_repetition: float = 0.0
 
 
 def paired_bootstrap_ci(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
@@ -91,6 +97,8 @@ def run_ab(
     seed: int = 0,
     warmup: int = 2,
     progress: bool = True,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[Summary, list[Run]]:
     """Run the experiment; write ``ab.json``, ``summary.md`` and plots to ``out`` if given."""
     from tqdm import tqdm
@@ -104,7 +112,7 @@ def run_ab(
         for prompt in prompts[:warmup]:  # allocation, lazy init, and first estimates for adaptive arms
             for policy in arms.values():
                 c.generate(prompt, max_new_tokens=min(32, max_new_tokens), temperature=temperature,
-                           seed=seed, policy=policy)
+                           top_k=top_k, top_p=top_p, seed=seed, policy=policy)
         rng = random.Random(seed)
         trials = [(r, i) for r in range(repeats) for i in range(len(prompts))]
         rng.shuffle(trials)
@@ -112,7 +120,7 @@ def run_ab(
             order = ["A", "B"] if rng.random() < 0.5 else ["B", "A"]
             for arm in order:
                 g = c.generate(prompts[i], max_new_tokens=max_new_tokens, temperature=temperature,
-                               seed=seed + 1000 * r + i, policy=arms[arm])
+                               top_k=top_k, top_p=top_p, seed=seed + 1000 * r + i, policy=arms[arm])
                 s = g.stats
                 edges = {k: {"proposed": e.proposed, "accepted": e.accepted, "blocks": e.blocks,
                              "examined_by_position": e.examined_by_position,
@@ -121,7 +129,8 @@ def run_ab(
     summary = summarize(a, b, runs, len(prompts), repeats, greedy=temperature == 0)
     if out is not None:
         write_report(Path(out), summary, runs, dict(topology=topology, a=a, b=b, max_new_tokens=max_new_tokens,
-                                                    repeats=repeats, temperature=temperature, seed=seed,
+                                                    repeats=repeats, temperature=temperature, top_k=top_k,
+                                                    top_p=top_p, seed=seed,
                                                     warmup=warmup, prompts=prompts))
     return summary, runs
 
@@ -143,6 +152,10 @@ def summarize(a: str, b: str, runs: list[Run], n_prompts: int, repeats: int, gre
     def total(arm: str, attr: str) -> float:
         return sum(getattr(x, attr) for x in runs if x.arm == arm)
 
+    def median_repetition(arm: str) -> float:
+        return statistics.median(statistics.fmean(repetition(x.token_ids) for x in runs if x.arm == arm and x.prompt == i)
+                                 for i in range(n_prompts))
+
     return Summary(
         a=a, b=b, prompts=n_prompts, repeats=repeats,
         mean_ratio=sum(ratios) / len(ratios), ci_low=lo, ci_high=hi, p_value=sign_flip_p_value(ratios),
@@ -151,6 +164,7 @@ def summarize(a: str, b: str, runs: list[Run], n_prompts: int, repeats: int, gre
         a_passes_per_token=total("A", "authority_passes") / total("A", "tokens"),
         b_passes_per_token=total("B", "authority_passes") / total("B", "tokens"),
         exactness_failures=failures, per_prompt_ratio=ratios,
+        a_repetition=median_repetition("A"), b_repetition=median_repetition("B"),
     )
 
 
@@ -198,13 +212,16 @@ def markdown(s: Summary, runs: list[Run], config: dict[str, Any]) -> str:
         f"# A/B: `{s.a}` (A) vs `{s.b}` (B)",
         "",
         f"Topology `{config['topology']}`, {s.prompts} prompts x {s.repeats} repeats, "
-        f"{config['max_new_tokens']} new tokens, temperature {config['temperature']}, seed {config['seed']}; "
+        f"{config['max_new_tokens']} new tokens, temperature {config['temperature']}"
+        f"{', top-p ' + format(config.get('top_p', 1.0), 'g') if config.get('top_p', 1.0) < 1 else ''}"
+        f"{', top-k ' + str(config.get('top_k', 0)) if config.get('top_k', 0) else ''}, seed {config['seed']}; "
         "pairs run in randomised interleaved order after a warm-up.",
         "",
         "| | A | B |",
         "|---|---:|---:|",
         f"| tokens/s (all runs) | {s.a_tokens_per_second:.1f} | {s.b_tokens_per_second:.1f} |",
         f"| authority passes per token | {s.a_passes_per_token:.3f} | {s.b_passes_per_token:.3f} |",
+        f"| repetition of the text (median over prompts) | {s.a_repetition:.2f} | {s.b_repetition:.2f} |",
     ]
     rates = {arm: _edge_rates(runs, arm) for arm in "AB"}
     for key in sorted(set(rates["A"]) | set(rates["B"])):
@@ -221,6 +238,9 @@ def markdown(s: Summary, runs: list[Run], config: dict[str, Any]) -> str:
     if config["temperature"] == 0:
         lines.append("Exactness: " + ("**FAILED** — outputs differ for " + json.dumps(s.exactness_failures)
                                       if s.exactness_failures else "both policies produced identical tokens on every run."))
+    else:
+        lines.append("Exactness under sampling is not checked here (the arms draw differently from the same seed); "
+                     "`cascade bench --temperature T` checks it by distribution.")
     lines += ["", "Plots: `speedup.png` (per-prompt ratio), `acceptance.png` (acceptance by draft position per edge).", ""]
     return "\n".join(lines)
 
@@ -272,8 +292,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-prompts", type=types.positive_int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=types.positive_int, default=128)
     p.add_argument("--repeats", type=types.positive_int, default=3)
-    p.add_argument("--temperature", type=types.temperature, default=0.0)
-    p.add_argument("--seed", type=types.seed, default=0)
+    types.add_sampling_args(p, what="both arms")
     p.add_argument("--warmup", type=types.nonnegative_int, default=2, help="prompts run once per arm before measuring")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-progress", action="store_true")
@@ -287,7 +306,8 @@ def _main(args) -> int:
     prompts = load_prompts(args.prompts, args.num_prompts)
     t0 = time.perf_counter()
     s, _ = run_ab(args.topology, args.a, args.b, prompts, args.max_new_tokens, args.repeats, args.out,
-                  args.temperature, args.seed, args.warmup, progress=not args.no_progress)
+                  args.temperature, args.seed, args.warmup, progress=not args.no_progress, top_k=args.top_k,
+                  top_p=args.top_p)
     print((Path(args.out) / "summary.md").read_text())
     print(f"({time.perf_counter() - t0:.0f} s; report in {args.out})")
     if s.exactness_failures:
