@@ -4,7 +4,7 @@ Every configuration runs on the same prompts, interleaved (a fresh random order 
 repeat) after a warm-up, and every speed is reported as a ratio to plain decoding measured in
 the same run. Configurations:
 
-1. ``plain``: transformers ``generate`` of the authority, greedy (the baseline);
+1. ``plain``: transformers ``generate`` of the authority, greedy or sampled (the baseline);
 2. ``cascade:authority``: cascade with the authority alone (cascade's own overhead);
 3. ``hf-assisted:<draft>``: transformers assisted generation, each draft as ``assistant_model``;
 4. ``hf-prompt-lookup``: transformers prompt-lookup decoding;

@@ -30,12 +30,22 @@ cascade ab --topology topologies/4level.yaml --a "$BEST" --b auto --prompts exam
     --max-new-tokens 96 --repeats 2 --temperature 0.8 --out $R/ab-auto-vs-best-fixed-t08 --no-progress 2>&1 \
     | grep -v "Loading weights" > $R/ab-t08.txt
 date
-cascade bench --topology topologies/4level.yaml --prompts examples/prompts/heldout.jsonl --num-prompts 12 \
-    --max-new-tokens 96 --out $R/bench --no-progress 2>&1 | grep -v "Loading weights" > $R/bench.txt
+# the configurations side by side, greedy and sampled (T = 0.8, top-p 0.95) interleaved in one run, with the
+# repetition of every configuration's text and the distribution check at T = 0.8 (exit status 2 on a failure);
+# short (10 prompts x 64 tokens): the machine is shared
+cascade bench --topology topologies/4level.yaml --prompts examples/prompts/heldout.jsonl --num-prompts 10 \
+    --max-new-tokens 64 --temperature 0.8 --top-p 0.95 --with-greedy --out $R/bench --no-progress 2>&1 \
+    | grep -v "Loading weights" > $R/bench.txt
 date
-# under load: the same 32 requests (64 at B = 64) served B at a time, 2 side-by-side repeats
+# under load, greedy and sampled: the same 8 requests served B at a time, 2 side-by-side repeats
+PAIR="--topology topologies/4level.yaml --batch-sizes 1,4 --max-new-tokens 64 --requests 8 --repeats 2"
+cascade bench $PAIR --out $R/batch --no-progress 2>&1 | grep -v "Loading weights" > $R/batch.txt
+cascade bench $PAIR --temperature 0.8 --top-p 0.95 --out $R/batch-t08 --no-progress 2>&1 \
+    | grep -v "Loading weights" > $R/batch-t08.txt
+date
+# the longer greedy runs under load (up to B = 64, 32 requests of 128 tokens)
 BATCH="--topology topologies/4level.yaml --batch-sizes 1,4,16,64 --max-new-tokens 128 --requests 32 --repeats 2"
-cascade bench $BATCH --out $R/batch --no-progress 2>&1 | grep -v "Loading weights" > $R/batch.txt
+cascade bench $BATCH --out $R/batch-long --no-progress 2>&1 | grep -v "Loading weights" > $R/batch-long.txt
 date
 # the target concurrency (B = 4) again, with 6 side-by-side repeats: the machine's noise is ~±5% per repeat
 cascade bench --topology topologies/4level.yaml --batch-sizes 4 --max-new-tokens 128 --requests 32 --repeats 6 \
