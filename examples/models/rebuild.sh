@@ -10,7 +10,8 @@
 # family/{tiny,small,medium,large}. examples/models is not touched: copy the levels there once
 # `cascade model-card $REBUILD_DIR/family` says they meet the issue's targets.
 #
-# Re-running the same command resumes: every stage checkpoints every few minutes, batches are a
+# Re-running the same command resumes: every stage checkpoints every 5 minutes and on SIGTERM
+# (`rebuild.sh stop`, a plain `kill`), batches are a
 # pure function of (seed, step), and finished stages are skipped. The step counts below fix the
 # cosine schedules, so keep them (and the corpus manifest) unchanged across resumes; changing
 # them needs a fresh REBUILD_DIR. It trains on one thread at the lowest priority (nice 19), so it
@@ -24,15 +25,19 @@ PIDFILE=$REBUILD_DIR/rebuild.pid
 LOG=$REBUILD_DIR/rebuild.log
 mkdir -p "$WORK"
 
-running() { [[ -f $PIDFILE ]] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; }
+# the pid file's process, if it is still this rebuild (a pid can be reused after a reboot)
+running() { [[ -f $PIDFILE ]] && ps -p "$(cat "$PIDFILE")" -o args= 2>/dev/null | grep -qF -- "--work-dir $WORK"; }
 
 case "${1:-start}" in
   status)
     if running; then echo "running (pid $(cat "$PIDFILE"))"; else echo "not running"; fi
     tail -n 5 "$WORK/distill.log" 2>/dev/null || true
     exit 0 ;;
-  stop)
-    if running; then kill "$(cat "$PIDFILE")" && echo "stopped; re-run $0 to resume"; else echo "not running"; fi
+  stop)  # SIGTERM: the step in progress finishes and a checkpoint is written, then it exits
+    if ! running; then echo "not running"; exit 0; fi
+    kill "$(cat "$PIDFILE")"
+    for _ in $(seq 300); do running || break; sleep 1; done
+    if running; then echo "still saving (pid $(cat "$PIDFILE"))"; else echo "stopped; re-run $0 to resume"; fi
     exit 0 ;;
   start) ;;
   *) echo "usage: $0 [start|status|stop]" >&2; exit 2 ;;
