@@ -17,7 +17,7 @@ Three ways to use it (see ``cascade distill --help``):
       cascade distill --family examples/models --corpus stdlib
 
 Every stage checkpoints into ``--work-dir`` (default ``runs/distill``) every
-``--checkpoint-minutes``; re-running the same command resumes from the last checkpoint
+``--checkpoint-minutes`` and on SIGTERM; re-running the same command resumes from the last checkpoint
 (automatically, or explicitly with ``--resume``; ``--restart`` discards it).  Batches are a pure
 function of ``--seed`` and the step index, so a resumed run trains on exactly the batches an
 uninterrupted one would.
