@@ -92,6 +92,23 @@ def test_bench_batch_sizes(family, tmp_path, capsys):
     assert "| 3 |" in capsys.readouterr().out
 
 
+def test_bench_batch_sizes_sampled(family, tmp_path, capsys):
+    topo = write_topology(tmp_path / "b.yaml", family_topology(family, ["tiny", "large"]))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):\n", "import os\n"]))
+    out = tmp_path / "batch"
+    assert main(["bench", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "6",
+                 "--batch-sizes", "2", "--requests", "2", "--temperature", "3", "--top-p", "0.95", "--seed", "1",
+                 "--exactness-draws", "40", "--out", str(out), "--no-progress"]) == 0
+    data = json.loads((out / "batch.json").read_text())
+    assert data["sampling"] == {"temperature": 3.0, "top_k": 0, "top_p": 0.95} and data["seed"] == 1
+    (row,) = data["rows"]
+    assert row["mode"] == "T=3, top-p 0.95" and 0 <= row["plain_repetition"] <= 1 and 0 <= row["cascade_repetition"] <= 1
+    check = data["distribution"]
+    assert check["config"] == "cascade, batch size 2" and check["draws"] == 40 and check["passed"]
+    assert "Exactness by distribution (cascade, batch size 2)" in capsys.readouterr().out
+
+
 # -- sampling, repetition and the distribution check ------------------------------------------
 
 

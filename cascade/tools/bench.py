@@ -444,7 +444,8 @@ def _cascade_fields(rep: ConfigReport, c: Config, xs: list[Sample], plain_spt: f
 
 def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], max_new_tokens: int = 128,
                     policy: str | None = None, out: str | Path | None = None, progress: bool = True,
-                    requests: int = 32, repeats: int = 1, sampling=None, seed: int = 0) -> list[dict]:
+                    requests: int = 32, repeats: int = 1, sampling=None, seed: int = 0,
+                    exactness_draws: int = 300, exactness_tokens: int = 2) -> tuple[list[dict], DistributionCheck | None]:
     """Throughput under load: at each concurrency B, the same ``max(requests, B)`` requests
     (the prompts, cycled) are served B at a time, by plain batched decoding of the authority
     (transformers ``generate`` with left padding, in batches of B) and by the cascade
@@ -454,7 +455,9 @@ def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], m
     Reports total tokens/s and mean per-request latency of each, the ratio of throughputs
     (median over repeats, with its range), and the median repetition of each side's texts.
     ``sampling`` (a :class:`cascade.sampling.Sampling`; default greedy) applies to both sides;
-    each batch is seeded from ``seed``."""
+    each batch is seeded from ``seed``. Sampled, the batched cascade's first tokens are checked
+    against plain sampling's distribution (:mod:`cascade.tools.exactness`; ``exactness_draws``
+    rows at the largest batch size); returns (rows, that check or None)."""
     import statistics
 
     import torch
@@ -529,15 +532,47 @@ def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], m
                 row[f"{name}_repetition"] = statistics.median(x for *_, reps in xs for x in reps)
             rows.append(row)
         bar.close()
+        check = None
+        if not sampling.greedy and exactness_draws:
+            check = _batch_distribution_check(c, pol, prompts, sampling, seed, exactness_draws, exactness_tokens,
+                                              max(batch_sizes))
     if out is not None:
+        from dataclasses import asdict
+
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "batch.json").write_text(json.dumps({"topology": topology, "max_new_tokens": max_new_tokens,
                                                     "policy": policy, "requests": requests, "repeats": repeats,
-                                                    "sampling": sampling.model_dump(), "seed": seed,
-                                                    "rows": rows}, indent=1))
-        (out / "batch.md").write_text(batch_markdown(rows, topology, max_new_tokens, mode_label(sampling)))
-    return rows
+                                                    "sampling": sampling.model_dump(), "seed": seed, "rows": rows,
+                                                    "distribution": check and asdict(check) | {"passed": check.passed}},
+                                                   indent=1))
+        (out / "batch.md").write_text(batch_markdown(rows, topology, max_new_tokens, mode_label(sampling), check))
+    return rows, check
+
+
+def _batch_distribution_check(c, policy, prompts: list[str], sampling, seed: int, draws: int, tokens: int,
+                              batch_size: int) -> DistributionCheck:
+    """The batched cascade (``batch_size`` rows at a time, the serving policy) against plain
+    sampling of the authority, on the short prompt prefix whose next token is most uncertain."""
+    import torch
+
+    from cascade.tools.baselines import generate_kwargs
+    from cascade.tools.exactness import check_distribution, uncertain_prefix
+
+    model = c.workers[c.topology.authority].model
+    ids = [c.tokenizer.encode(p) for p in prompts]
+    prompt, length = uncertain_prefix(model, ids, sampling)
+    prefix = ids[prompt][:length]
+    t = torch.tensor([prefix])
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=tokens, num_return_sequences=draws,
+                             **generate_kwargs(sampling))
+    reference = out[:, len(prefix):].tolist()
+    gs = c.generate([prefix] * draws, max_new_tokens=tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+                    top_p=sampling.top_p, seed=seed + 1, batch_size=batch_size, policy=policy)
+    return check_distribution(f"cascade, batch size {batch_size}", reference, [g.token_ids for g in gs], tokens,
+                              c.tokenizer.eos_token_id, (prompt, length))
 
 
 def add_parser(sub) -> None:
@@ -588,11 +623,15 @@ def _main(args) -> int:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     t0 = time.perf_counter()
     if args.batch_sizes:
-        run_batch_bench(args.topology, prompts, args.batch_sizes, args.max_new_tokens, args.policy, args.out,
-                        progress=not args.no_progress, requests=args.requests, repeats=args.repeats,
-                        sampling=sampling, seed=args.seed)
+        _, check = run_batch_bench(args.topology, prompts, args.batch_sizes, args.max_new_tokens, args.policy,
+                                   args.out, progress=not args.no_progress, requests=args.requests,
+                                   repeats=args.repeats, sampling=sampling, seed=args.seed,
+                                   exactness_draws=args.exactness_draws, exactness_tokens=args.exactness_tokens)
         print((Path(args.out) / "batch.md").read_text())
         print(f"({time.perf_counter() - t0:.0f} s; report in {args.out})")
+        if check is not None and not check.passed:
+            print(f"EXACTNESS FAILURE against plain sampling: {check.config} (p = {check.p_value:.2g})", file=sys.stderr)
+            return 2
         return 0
     samplings = [Sampling(), sampling] if args.with_greedy and not sampling.greedy else [sampling]
     reports, _ = run_bench(args.topology, prompts, args.max_new_tokens, args.repeats, args.out, args.prompt_lookup,

@@ -191,7 +191,7 @@ def _time_plot(plt, path: Path, cascade_reports: list[ConfigReport], modes: list
     plt.close(fig)
 
 
-def batch_markdown(rows: list[dict], topology: str, max_new_tokens: int, mode: str = "greedy") -> str:
+def batch_markdown(rows: list[dict], topology: str, max_new_tokens: int, mode: str = "greedy", check=None) -> str:
     r0 = rows[0] if rows else {}
     lines = [f"Topology `{topology}`, {mode}, {max_new_tokens} new tokens per request; at each concurrency B the same "
              f"{r0.get('requests', '?')} requests (more if B is larger) are served B at a time: plain = transformers "
@@ -206,4 +206,13 @@ def batch_markdown(rows: list[dict], topology: str, max_new_tokens: int, mode: s
         lines.append(f"| {r['batch_size']} | {r['plain_tokens_per_second']:.1f} | {r['cascade_tokens_per_second']:.1f} "
                      f"| {r['ratio']:.2f}x{spread} | {r['plain_latency_s']:.2f} | {r['cascade_latency_s']:.2f} "
                      f"| {r['plain_repetition']:.2f} | {r['cascade_repetition']:.2f} |")
+    if check is not None:
+        verdict = "passes" if check.passed else "**FAILS**"
+        lines += ["", f"Exactness by distribution ({check.config}): the first {check.tokens} generated tokens after the "
+                      f"first {check.prompt_tokens} tokens of prompt {check.prompt}, {check.draws} draws against as many "
+                      f"of plain sampling, per-position chi-square of homogeneity, Bonferroni: p = {check.p_value:.2g} "
+                      f"(bound: p > {check.bound:g}): {verdict}."]
+    elif mode == "greedy":
+        lines += ["", "Exactness: not checked in this mode; `cascade bench` without --batch-sizes compares every "
+                      "output with plain decoding's, token by token."]
     return "\n".join(lines) + "\n"
