@@ -15,7 +15,7 @@ from cascade.build import Backend, load_tokenizer, resolve_backend
 from cascade.engine import Batch, Engine, Request, RequestState
 from cascade.errors import ClosedError, RequestError, TopologyError, WorkerError
 from cascade.sampling import Sampling
-from cascade.stats import RequestStats
+from cascade.stats import RequestStats, StepProvenance, cut_provenance
 from cascade.topology import Topology, load_topology
 from cascade.validation import DEVICE_PATTERN, GenerationParams, check_token_ids, generation_params, normalize_prompt, normalize_prompts
 from policies import Policy, PolicyError, from_spec, parse_policy_spec
@@ -28,13 +28,16 @@ Prompt = str | Sequence[int]
 
 @dataclass
 class Generation:
-    """One prompt's result. ``token_ids`` exclude the prompt; ``text`` is their decoding."""
+    """One prompt's result. ``token_ids`` exclude the prompt; ``text`` is their decoding.
+    ``provenance`` (with ``provenance=True``): per step, its path, blocks and where each of its
+    tokens came from; the steps' tokens concatenate to ``token_ids``."""
 
     prompt: Prompt
     token_ids: list[int]
     text: str
     finish_reason: str
     stats: RequestStats
+    provenance: list[StepProvenance] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +46,7 @@ class Generation:
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
+            **({} if self.provenance is None else {"provenance": [p.to_dict() for p in self.provenance]}),
         }
 
 
@@ -125,6 +129,7 @@ class Cascade:
         stop: str | Sequence[str] | None = None,
         policy: str | Policy | None = None,
         batch_size: int = 1,
+        provenance: bool = False,
     ) -> Generation | list[Generation]:
         """Generate for one prompt (-> a :class:`Generation`) or a list (-> a list, in order).
 
@@ -135,9 +140,12 @@ class Cascade:
         Every prompt is checked before any runs. If the authority fails, the :class:`WorkerError`
         carries ``partial``: the result so far (one prompt) or a result per prompt (a list:
         finished ones, ``finish_reason="error"`` for those in flight, ``"cancelled"`` for the rest).
+        ``provenance=True`` records where each token came from (:attr:`Generation.provenance`);
+        it changes no token.
         """
         params = generation_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, seed=seed, stop=stop, batch_size=batch_size)
+                                   top_p=top_p, seed=seed, stop=stop, batch_size=batch_size,
+                                   provenance=provenance)
         single, batch = normalize_prompts(prompts)
         pol = _policy_arg(policy, {}, "generate")
         with self._lock:
@@ -199,14 +207,21 @@ class Cascade:
             yield text[sent:]
 
     def request(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float | None = None,
-                top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> RequestState:
-        """A validated request, ready to join a :meth:`batch` (``batch.add(state)``)."""
+                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                provenance: bool = False, policy: str | Policy | None = None) -> RequestState:
+        """A validated request, ready to join a :meth:`batch` (``batch.add(state)``).
+        ``provenance=True``: each step appends a :class:`StepProvenance` to
+        ``state.provenance``. ``policy``: this request's own (it then steps apart from requests
+        with another policy); unset, the batch's."""
         params = generation_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, seed=seed)
+                                   top_p=top_p, seed=seed, provenance=provenance)
         prompt = normalize_prompt(prompt, "prompt")
+        pol = _policy_arg(policy, {}, "request", topology=self.topology)
         with self._lock:
             self._check_open()
-            return self._start(prompt, params, params.seed, "prompt")
+            state = self._start(prompt, params, params.seed, "prompt")
+        state.policy = pol
+        return state
 
     def batch(self, policy: str | Policy | None = None) -> Batch:
         """A continuous batch: ``add`` requests from :meth:`request` whenever you like, call
@@ -320,7 +335,8 @@ class Cascade:
                 ids.pop()
             state.stats.new_tokens = len(ids)
         text = self._text(ids, stops) if self.tokenizer is not None else ""
-        return Generation(prompt, ids, text, state.finish_reason or "length", state.stats)
+        steps = None if getattr(state, "provenance", None) is None else cut_provenance(state.provenance, len(ids))
+        return Generation(prompt, ids, text, state.finish_reason or "length", state.stats, steps)
 
     def _text(self, ids: list[int], stops: list[str]) -> str:
         text = self._decode(ids)

@@ -1,7 +1,7 @@
 """Per-request statistics: recorded by the engine, rendered by the CLI."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass
@@ -57,6 +57,48 @@ class EdgeStats:
                 counts.extend([0] * (upto - len(counts)))
             for j in range(upto):
                 counts[j] += 1
+
+
+@dataclass(frozen=True)
+class BlockOutcome:
+    """One block verified during a step: ``proposer`` handed ``proposed`` tokens to
+    ``verifier``, which accepted the first ``accepted`` of them."""
+
+    proposer: str
+    verifier: str
+    proposed: int
+    accepted: int
+
+
+@dataclass(frozen=True)
+class StepProvenance:
+    """Where one step's committed tokens came from, recorded only for requests that ask for it
+    (``provenance=True``). ``origins[j]`` is the level whose draft ``tokens[j]`` was: a token
+    accepted up the path keeps the level that first drafted it; a recovered or bonus token is
+    the verifying level's own, so the authority's tokens are those it produced itself.
+    ``blocks`` are the step's verifications in the order they ran (the block lengths per edge)."""
+
+    path: tuple[str, ...]
+    tokens: tuple[int, ...]
+    origins: tuple[str, ...]
+    blocks: tuple[BlockOutcome, ...]
+
+    def to_dict(self) -> dict:
+        return {"path": list(self.path), "tokens": list(self.tokens), "origins": list(self.origins),
+                "blocks": [asdict(b) for b in self.blocks]}
+
+
+def cut_provenance(steps: list[StepProvenance], n_tokens: int) -> list[StepProvenance]:
+    """The steps behind the first ``n_tokens`` committed tokens (a result cut at a stop string)."""
+    out, left = [], n_tokens
+    for step in steps:
+        if left <= 0:
+            break
+        if len(step.tokens) > left:
+            step = replace(step, tokens=step.tokens[:left], origins=step.origins[:left])
+        out.append(step)
+        left -= len(step.tokens)
+    return out
 
 
 @dataclass

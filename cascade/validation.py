@@ -15,7 +15,7 @@ import numbers
 import operator
 from typing import Annotated, Any, Sequence
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
 
 from cascade.errors import RequestError
 
@@ -88,6 +88,7 @@ class GenerationParams(BaseModel):
     seed: OptInt = Field(None, ge=0, lt=_SEED_LIMIT, description="Seeds the request's generator.")
     stop: Stops = Field(None, description="Stop strings.")
     batch_size: Int = Field(1, ge=1, description="Prompts in flight at once (generate only).")
+    provenance: StrictBool = Field(False, description="Record each step's path, blocks and token origins.")
 
 
 def generation_params(**kwargs: Any) -> GenerationParams:

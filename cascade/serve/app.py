@@ -25,7 +25,9 @@ from starlette.exceptions import HTTPException
 
 from cascade.api import _settled
 from cascade.errors import RequestError
+from cascade.serve import playground
 from cascade.serve import protocol as proto
+from cascade.serve.provenance import TokenPieces, step_dicts
 from cascade.serve.server import Job, Overloaded, Server, Unavailable
 
 # how often a non-streaming handler checks whether its client is still there
@@ -45,6 +47,7 @@ def build_app(server: Server | None = None) -> FastAPI:
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    playground.add_routes(app)
     return app
 
 
@@ -124,7 +127,8 @@ async def _parse(request: Request, model: type, server: Server):
 async def _submit(server: Server, req, prompt, max_tokens: int, limit_field: str, prompt_field: str) -> Job:
     try:
         return await server.submit(prompt, max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                             seed=req.seed, stop=req.stop)
+                             seed=req.seed, stop=req.stop, provenance=req.return_provenance,
+                             policy=req.policy)
     except RequestError as exc:
         err = proto.request_error(exc, prompt_field)
         if err.param == "max_tokens" and limit_field != "max_tokens":
@@ -156,6 +160,8 @@ async def _respond(request: Request, server: Server, req, job: Job, chat: bool) 
     body["usage"] = proto.usage(job.prompt_tokens, len(gen.token_ids))
     if req.return_stats:
         body["cascade_stats"] = gen.stats.to_dict()
+    if req.return_provenance:
+        body["cascade_provenance"] = step_dicts(gen.provenance or [], TokenPieces(server.cascade, job.stops), final=True)
     return JSONResponse(body)
 
 
@@ -183,21 +189,26 @@ async def _sse(server: Server, req, job: Job, rid: str, chat: bool) -> AsyncIter
     cascade, model = server.cascade, server.model_name
     ids: list[int] = []
     sent = 0
+    pieces = TokenPieces(cascade, job.stops) if req.return_provenance else None
     if chat:  # OpenAI's first chat chunk announces the role
         yield _event(proto.envelope(rid, model, chat, True, [proto.choice(chat, True, "", None, first=True)]))
     async for update in job.updates():
         ids.extend(update.tokens)
         text = cascade._text(ids, job.stops)
         safe = len(text) if update.finish_reason else _settled(text, job.stops)
+        # with provenance, every step gets a chunk (its text may be held back: then empty)
+        steps = None if pieces is None else step_dicts(update.steps, pieces, final=update.finish_reason is not None)
         if update.error is not None:
-            if safe > sent:
-                yield _event(proto.envelope(rid, model, chat, True, [proto.choice(chat, True, text[sent:safe], None)]))
+            if safe > sent or steps:
+                yield _event(_provenance(steps, proto.envelope(rid, model, chat, True,
+                                                               [proto.choice(chat, True, text[sent:safe], None)])))
             yield _event(proto.ApiError(500, f"generation failed: {update.error}", type="worker_error").body())
             break
         if update.finish_reason is not None:
-            yield _event(_last_chunk(req, rid, model, chat, text[sent:], update))
-        elif safe > sent:
-            yield _event(proto.envelope(rid, model, chat, True, [proto.choice(chat, True, text[sent:safe], None)]))
+            yield _event(_provenance(steps, _last_chunk(req, rid, model, chat, text[sent:], update)))
+        elif safe > sent or steps:
+            yield _event(_provenance(steps, proto.envelope(rid, model, chat, True,
+                                                           [proto.choice(chat, True, text[sent:safe], None)])))
             sent = safe
     else:
         if req.include_usage:
@@ -214,6 +225,12 @@ def _last_chunk(req, rid: str, model: str, chat: bool, text: str, update) -> dic
                                                                  reason)])
     if req.return_stats:
         chunk["cascade_stats"] = update.generation.stats.to_dict()
+    return chunk
+
+
+def _provenance(steps: list[dict[str, Any]] | None, chunk: dict[str, Any]) -> dict[str, Any]:
+    if steps is not None:
+        chunk["cascade_provenance"] = steps
     return chunk
 
 
