@@ -1,10 +1,12 @@
 """Sampling parameters, validated once at the boundary."""
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from cascade.verify import sample_with_uniform, sampling_probs
+from cascade.verify import sample_with_keys, sample_with_uniform, sampling_probs
 
 
 class Sampling(BaseModel):
@@ -20,6 +22,14 @@ class Sampling(BaseModel):
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (argmax); >0 divides the logits.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set of mass >= top_p; 1 = off.")
+    coupling: Literal["residual", "gumbel"] = Field(
+        "residual",
+        description="How drafts and verifiers share randomness. 'residual': the speculative rule "
+        "(accept with min(1, target/draft), else resample the residual): the most acceptance, but "
+        "a seed's tokens depend on where blocks fall. 'gumbel': per-position noise keyed by "
+        "(seed, position), the same at every level (cascade/verify.py): a seed gives the same "
+        "tokens whatever the policy, batch or backend, for somewhat lower acceptance.",
+    )
 
     @property
     def greedy(self) -> bool:
@@ -30,9 +40,14 @@ class Sampling(BaseModel):
 
     def draw(self, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:  # [n, vocab], [n] -> [n]
         """One token per row of ``probs`` (rows of :meth:`probs`), by inverse CDF with the row's
-        uniform. Greedy rows are one-hot, for which that is the hot token whatever the uniform:
-        taken directly (no cumulative sum over the vocabulary)."""
-        return probs.argmax(-1) if self.greedy else sample_with_uniform(probs, uniforms)
+        uniform, or (``coupling="gumbel"``) by the exponential race with the noise of the row's
+        position key, which then travels in the uniform's place. Greedy rows are one-hot, for
+        which either is the hot token: taken directly (no cumulative sum over the vocabulary)."""
+        if self.greedy:
+            return probs.argmax(-1)
+        if self.coupling == "gumbel":
+            return sample_with_keys(probs, uniforms)
+        return sample_with_uniform(probs, uniforms)
 
 
 class SamplingOverride(BaseModel):

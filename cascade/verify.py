@@ -166,12 +166,28 @@ def position_keys(seed: int, positions: Sequence[int]) -> torch.Tensor:  # -> [n
 
 
 def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:  # [n] -> [n, vocab] float64
-    """Each key's ``Exp(1)`` noise over the vocabulary (CPU generator: the same on every machine)."""
-    rows = []
-    for key in keys.tolist():
-        generator = torch.Generator().manual_seed(int(key))
-        rows.append(torch.empty(vocab, dtype=torch.float64).exponential_(generator=generator))
-    return torch.stack(rows) if rows else torch.empty(0, vocab, dtype=torch.float64)
+    """Each key's ``Exp(1)`` noise over the vocabulary: entry ``v`` of key ``k`` is ``-log u`` for
+    the uniform ``u`` that splitmix64 of ``(k, v)`` gives. Integer arithmetic on the CPU, so
+    every machine and backend computes the same noise."""
+    z = keys.to(torch.int64).reshape(-1, 1) * vocab + torch.arange(vocab, dtype=torch.int64)
+    z = _splitmix64_tensor(z)
+    uniforms = ((z >> 11) & _KEY_MASK).to(torch.float64).add_(0.5).mul_(2.0**-53)  # in (0, 1)
+    return uniforms.log_().neg_()
+
+
+def _splitmix64_tensor(z: torch.Tensor) -> torch.Tensor:
+    """:func:`_splitmix64` on int64 tensors (two's complement wrap-around; logical right shifts)."""
+    def shr(x: torch.Tensor, s: int) -> torch.Tensor:
+        return (x >> s) & ((1 << (64 - s)) - 1)
+
+    z = z + _signed(0x9E3779B97F4A7C15)
+    z = (z ^ shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ shr(z, 27)) * _signed(0x94D049BB133111EB)
+    return z ^ shr(z, 31)
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def sample_with_keys(

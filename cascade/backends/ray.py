@@ -103,8 +103,8 @@ def _tensor(data: bytes, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=dtype)
 
 
-def _sampling_tuple(sampling: Sampling) -> tuple[float, int, float]:
-    return (sampling.temperature, sampling.top_k, sampling.top_p)
+def _sampling_tuple(sampling: Sampling) -> tuple[float, int, float, str]:
+    return (sampling.temperature, sampling.top_k, sampling.top_p, sampling.coupling)
 
 
 @dataclass
@@ -208,8 +208,8 @@ class LevelActor:
     def _sampling(self, params: tuple) -> Sampling:
         found = self._samplings.get(params)
         if found is None:
-            t, k, p = params
-            found = self._samplings[params] = Sampling(temperature=t, top_k=k, top_p=p)
+            t, k, p, coupling = params
+            found = self._samplings[params] = Sampling(temperature=t, top_k=k, top_p=p, coupling=coupling)
         return found
 
     def score(self, seq_ids, keeps, suffixes, num_positions):
