@@ -104,6 +104,17 @@ class RaySpec(BaseModel):
     )
 
 
+class ServeSpec(BaseModel):
+    """How ``cascade serve --backend ray`` deploys the server on Ray Serve."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(1, ge=1, description="Ray Serve replicas; each owns one cascade (its level "
+                          "actors in a placement group of its own) and one engine loop.")
+    max_ongoing_requests: int = Field(16, ge=1, description="Requests Ray Serve sends one replica at "
+                                      "once; more wait in Serve's own queue.")
+
+
 class PolicySpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -126,6 +137,7 @@ class TopologySpec(BaseModel):
     tokenizer: str | None = Field(None, description="Tokenizer path; default: the authority's model.")
     backend: Literal["local", "ray"] = Field("local", description="Where levels run.")
     ray: RaySpec = Field(default_factory=RaySpec, description="Ray backend settings (backend: ray).")
+    serve: ServeSpec = Field(default_factory=ServeSpec, description="Ray Serve settings (cascade serve --backend ray).")
 
     @model_validator(mode="after")
     def _names(self) -> "TopologySpec":
