@@ -107,12 +107,14 @@ class RaySpec(BaseModel):
 class ServeSpec(BaseModel):
     """How ``cascade serve --backend ray`` deploys the server on Ray Serve."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     replicas: int = Field(1, ge=1, description="Ray Serve replicas; each owns one cascade (its level "
                           "actors in a placement group of its own) and one engine loop.")
     max_ongoing_requests: int = Field(16, ge=1, description="Requests Ray Serve sends one replica at "
                                       "once; more wait in Serve's own queue.")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for each replica's process (its "
+                            "engine loop and any level kept in the driver).")
 
 
 class PolicySpec(BaseModel):

@@ -27,6 +27,12 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", type=types.nonempty, default=None,
                    help="the model id clients name (default: the topology's name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--backend", choices=["embedded", "ray"], default="embedded",
+                   help="ray: deploy the same app on Ray Serve, the topology's serve: section giving "
+                        "replicas, each replica's levels Ray actors (default: embedded, one process)")
+    p.add_argument("--address", default=None,
+                   help="with --backend ray: the Ray cluster (default: the topology's ray.address; unset: "
+                        "RAY_ADDRESS or the one `ray start` runs here, else a private runtime)")
     p.set_defaults(func=serve)
 
 
@@ -45,6 +51,10 @@ def serve(args) -> int:
             template = Path(args.chat_template).read_text()
         except OSError as exc:
             raise RequestError(f"chat-template: cannot read {args.chat_template}: {exc}") from None
+    if args.backend == "ray":
+        from cascade.serve.ray_serve import serve_on_ray
+
+        return serve_on_ray(args, template)
     cascade = Cascade.from_topology(args.topology, policy=args.policy or None, device=args.device)
     try:
         server = Server(cascade, model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
