@@ -65,13 +65,14 @@ class Unavailable(Exception):
 class Job:
     """One request between its handler and the engine thread."""
 
-    def __init__(self, state: RequestState, prompt: Any, stops: list[str], loop: asyncio.AbstractEventLoop):
+    def __init__(self, state: RequestState, prompt: Any, stops: list[str], loop: asyncio.AbstractEventLoop,
+                 arrived: float):
         self.state = state
         self.prompt = prompt
         self.stops = stops
         self.loop = loop
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
-        self.arrived = time.perf_counter()
+        self.arrived = arrived  # time.perf_counter() when it reached the server
         self.last_commit: float | None = None
         self.sent = 0  # tokens of state.generated handed over so far
         self.steps_sent = 0  # steps of state.provenance handed over so far (provenance only)
@@ -151,6 +152,7 @@ class Server:
         loop. Raises RequestError (bad input), Overloaded or Unavailable. ``provenance``: each
         update carries its steps' provenance; ``policy``: a spec string for this request alone
         (a fresh policy: it steps in a group of its own and learns only from this request)."""
+        arrived = time.perf_counter()
         if not self.alive:
             raise Unavailable(self.dead or "the server is shutting down")
         stops = _stop_list(stop)
@@ -164,7 +166,7 @@ class Server:
             provenance=provenance, policy=policy))
         if state.policy is not None:  # its plans and outcomes reach the metrics too
             state.policy = RecordingPolicy(state.policy, self.metrics)
-        job = Job(state, prompt, stops, loop)
+        job = Job(state, prompt, stops, loop, arrived)
         with self._wake:
             free = max(0, self.max_num_seqs - len(self._running))
             if len(self._waiting) >= self.max_queued + free:
