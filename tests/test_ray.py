@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -58,16 +59,31 @@ def ray_cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [_ray_cli(), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+    # --block: the head stays in this one process, and stopping it stops exactly this cluster
+    # (`ray stop` would stop every Ray runtime on the machine, other tests' included).
+    cmd = [_ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
            "--num-cpus", "2", "--num-gpus", "4", "--include-dashboard", "true",
            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--disable-usage-stats"]
+    head = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=120)
+        deadline = time.monotonic() + 120
+        while True:  # up once the dashboard (started last) answers
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{dashboard}/api/version", timeout=2):
+                    break
+            except OSError:
+                assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
+                time.sleep(1)
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
         yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}"}
     finally:
         ray.shutdown()
-        subprocess.run([_ray_cli(), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        head.terminate()
+        try:
+            head.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
         if saved is None:
             os.environ.pop("RAY_AUTH_MODE", None)
         else:
