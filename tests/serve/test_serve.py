@@ -256,3 +256,20 @@ def test_the_openai_client_sees_the_errors(client):
     # and the server still serves
     assert client.completions.create(model="served", prompt="x", max_tokens=2).usage.completion_tokens == 2
 
+
+
+def test_the_cache_count_reads_solo_and_pooled_sequences(cascade):
+    """/health's cached_sequences reads transformers workers' caches: a sequence served alone
+    and sequences in the batched pool both count, and leave when released."""
+    from cascade.serve.server import _cached_count
+
+    large = cascade.workers["large"]
+    batch = cascade.batch()
+    batch.add(cascade.request("import os\n", max_new_tokens=64, temperature=0.0))
+    batch.step()
+    assert _cached_count(large) == 1  # alone: its own cache
+    batch.add(cascade.request("class Stack:\n", max_new_tokens=64, temperature=0.0))
+    batch.step()
+    assert _cached_count(large) == 2  # batched: rows of the pool
+    batch.close()
+    assert _cached_count(large) == 0
