@@ -165,6 +165,7 @@ def test_distribution_check_passes_the_cascade_and_fails_a_wrong_sampler(tmp_pat
     assert good.passed and good.p_value > 0.01, good
     assert not wrong.passed and wrong.p_value <= P_BOUND, wrong
     assert (good.prompt, good.prompt_tokens) == (i, length) and len(good.position_p_values) == 2
+    assert good.total_variation == good.position_total_variations[0] < wrong.total_variation
 
 
 def test_bench_sampled_with_greedy_side_by_side(family, tmp_path, capsys):
@@ -224,7 +225,7 @@ def test_bench_exit_status_says_a_distribution_failure(family, tmp_path, monkeyp
     captured = capsys.readouterr()
     assert code == 2
     assert "EXACTNESS FAILURE" in captured.err and "cascade:tiny->large (T=2)" in captured.err
-    assert "**FAILS** (p = 0)" in captured.out
+    assert "**FAILS** (p = 0, TV " in captured.out
 
 
 @pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--temperature", "nan"), ("--top-p", "0"),

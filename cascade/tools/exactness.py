@@ -23,9 +23,10 @@ different random streams), but the distribution must still be the authority's ow
    the mass moved, as top-p 0.95 against 1 does) is below what a few hundred draws can see:
    the exhaustive tests in ``tests/test_distribution.py`` (100k draws) cover those.
 
-The empirical total variation between the two samples at the worst position is reported beside
+The empirical total variation between the two samples of the first token is reported beside
 the test, as a size of the difference (biased upwards by sampling noise: two samples of one
-distribution with many outcomes do not have zero TV).
+distribution with many outcomes do not have zero TV; at later positions, where the outcomes are
+many more, it says little, so each position's is kept in ``position_total_variations`` only).
 """
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ class DistributionCheck:
     position_p_values: list[float] = field(default_factory=list)
     columns: int = 0  # at the worst position: outcomes after pooling,
     chi_square: float = 0.0  # the statistic,
-    dof: int = 0  # its degrees of freedom,
-    total_variation: float = 0.0  # and the empirical TV between the two samples
+    dof: int = 0  # and its degrees of freedom
+    total_variation: float = 0.0  # empirical TV between the two samples of the first token
+    position_total_variations: list[float] = field(default_factory=list)
     bound: float = P_BOUND
 
     @property
@@ -129,10 +131,10 @@ def check_distribution(config: str, reference: Sequence[Sequence[int]], candidat
         ref, got = position(reference, j, eos), position(candidate, j, eos)
         tests.append((*homogeneity(ref, got), total_variation(ref, got)))
     worst = min(range(tokens), key=lambda j: tests[j][2])
-    stat, dof, p, columns, tv = tests[worst]
+    stat, dof, p, columns, _ = tests[worst]
     return DistributionCheck(config, len(candidate), tokens, *prompt, p_value=min(1.0, tokens * p),
                              position_p_values=[t[2] for t in tests], columns=columns, chi_square=stat, dof=dof,
-                             total_variation=tv)
+                             total_variation=tests[0][4], position_total_variations=[t[4] for t in tests])
 
 
 def uncertain_prefix(model, prompts_ids: Sequence[Sequence[int]], sampling, shortest: int = 8,
