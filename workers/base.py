@@ -18,6 +18,26 @@ import torch
 from cascade.sampling import Sampling
 from policies.base import StopRule, draft_step
 
+# dtype names as topologies (``levels[*].dtype``) and the Ray wire format spell them
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token sequences: how much of a cache
+    that holds ``a`` serves a call handed ``b``."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case: the cache is a prefix of the new sequence
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
 
 @dataclass
 class Draft:

@@ -41,7 +41,7 @@ from cascade.errors import TopologyError, WorkerError
 from cascade.sampling import Sampling
 from cascade.topology import LevelSpec, Topology
 from policies.base import StopRule
-from workers.base import Draft, Worker
+from workers.base import DTYPES, Draft, Worker, common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +51,6 @@ log = logging.getLogger(__name__)
 # Plain tuples of bytes pickle several times faster than dataclasses of arrays (or pydantic
 # objects): measured here, that is a third of a call's round trip on a small CPU machine.
 Packed = tuple  # ("dense", n, vocab, dtype, data) | ("sparse", n, vocab, dtype, rows, cols, values)
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-           "bfloat16": torch.bfloat16}
-
 
 def pack_rows(t: torch.Tensor) -> Packed:  # t: [n, vocab]
     """A ``[n, vocab]`` tensor for the wire: its raw bytes, or only its nonzero entries (row,
@@ -75,7 +71,7 @@ def pack_rows(t: torch.Tensor) -> Packed:  # t: [n, vocab]
 
 def unpack_rows(packed: Packed) -> torch.Tensor:  # [n, vocab], equal to the packed tensor
     kind, n, vocab, dtype = packed[:4]
-    dt = _DTYPES[dtype]
+    dt = DTYPES[dtype]
     if kind == "dense":
         if not packed[4]:
             return torch.zeros(n, vocab, dtype=dt)
@@ -91,7 +87,7 @@ def packed_nbytes(packed: Packed) -> int:
 
 
 def dense_nbytes(packed: Packed) -> int:
-    return packed[1] * packed[2] * _DTYPES[packed[3]].itemsize
+    return packed[1] * packed[2] * DTYPES[packed[3]].itemsize
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -174,12 +170,12 @@ class LevelActor:
             self.worker, self.failed = None, exc
         self.tokens: dict[str, list[int]] = {}  # the last sequence sent for each seq_id
         self._samplings: dict[tuple, Sampling] = {}
-        if self.failed is not None:
-            raise self.failed
 
     def info(self) -> dict[str, Any]:
         import ray
 
+        if self.failed is not None:
+            raise self.failed
         return {
             "level": self.build.level.name,
             "pid": os.getpid(),
@@ -312,7 +308,7 @@ class RayWorker(Worker):
         does not hold the prefix (it restarted), send the whole sequences once more."""
         seq_ids = list(seq_ids)
         seqs = [list(t) for t in token_ids]
-        keeps = [_common_prefix(self._sent.get(s, []), t) for s, t in zip(seq_ids, seqs)]
+        keeps = [common_prefix(self._sent.get(s, []), t) for s, t in zip(seq_ids, seqs)]
         for attempt in range(2):
             suffixes = [t[k:] for k, t in zip(keeps, seqs)]  # a few small ints: a list pickles fastest
             self.wire.sent += sum(4 * len(a) + 8 for a in suffixes) + 8 * len(seq_ids) + 24
@@ -350,16 +346,6 @@ class RayWorker(Worker):
             # is what remains when it gave up.
             raise WorkerError(f"level {self.name!r}: actor died and was not restarted: "
                               f"{type(exc).__name__}", level=self.name) from None
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 # -- placement and lifecycle ---------------------------------------------------------------------
@@ -432,7 +418,6 @@ class RayBackend(Backend):
 
     def _place(self, topo: Topology, device: str | None) -> None:
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from cascade.build import build_worker, check_vocab_sizes, level_model_path
@@ -445,18 +430,8 @@ class RayBackend(Backend):
         if not levels:
             raise TopologyError(f"{topo.source}: ray.in_driver: every level would run in the driver; "
                                 "use backend: local")
-        bundles, bundle_of = plan_bundles([lv for _, lv in levels])
-        bundle_of = {i: b for (i, _), b in zip(levels, bundle_of)}
         tag = uuid.uuid4().hex[:8]
-        self.placement_group = placement_group(bundles, strategy=spec.placement_strategy,
-                                               name=f"cascade-{tag}")
-        try:
-            ray.get(self.placement_group.ready(), timeout=spec.placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise TopologyError(
-                f"{topo.source}: levels[*].resources: the cluster cannot place {bundles} with "
-                f"{spec.placement_strategy} within {spec.placement_timeout_s:g} s "
-                f"(available: {ray.available_resources()})") from None
+        bundle_of = self._reserve(topo, levels, tag)
         actor_cls = ray.remote(LevelActor)
 
         def create(i: int, level: LevelSpec, vocab: int | None):
@@ -492,6 +467,25 @@ class RayBackend(Backend):
             log.info("level %s: actor pid %s, %s", name, info["pid"], info["device_note"])
             workers[name] = RayWorker(name, self.actors[name], info, spec.call_timeout_s)
         self.workers = {lv.name: workers[lv.name] for _, lv in everything}  # in topology order
+
+    def _reserve(self, topo: Topology, levels: list[tuple[int, LevelSpec]], tag: str) -> dict[int, int]:
+        """Create the placement group for the actors' ``levels`` and wait until it is placed;
+        each level's bundle, by the level's index in the topology."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        spec = topo.spec.ray
+        bundles, bundle_of = plan_bundles([lv for _, lv in levels])
+        self.placement_group = placement_group(bundles, strategy=spec.placement_strategy,
+                                               name=f"cascade-{tag}")
+        try:
+            ray.get(self.placement_group.ready(), timeout=spec.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TopologyError(
+                f"{topo.source}: levels[*].resources: the cluster cannot place {bundles} with "
+                f"{spec.placement_strategy} within {spec.placement_timeout_s:g} s "
+                f"(available: {ray.available_resources()})") from None
+        return {i: b for (i, _), b in zip(levels, bundle_of)}
 
     def _collect(self, infos: dict[str, dict], timeout: float) -> None:
         import ray

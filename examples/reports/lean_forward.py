@@ -25,7 +25,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from workers.hf import HFWorker, _buffer_layer
+    from workers.hf import HFWorker
+    from workers.pool import buffer_layer
 
     print(f"batch {args.batch}, {args.cached} cached columns; ms per pass, best of {args.rounds} rounds of "
           f"{args.calls} calls, the two forwards interleaved\n")
@@ -48,7 +49,7 @@ def main() -> None:
             mask[:, args.cached:] = True
 
             def run(worker):
-                layers = [_buffer_layer(k, v, args.cached) for k, v in zip(kbufs, vbufs)]
+                layers = [buffer_layer(k, v, args.cached) for k, v in zip(kbufs, vbufs)]
                 return worker._logits(ids, positions, layers, mask, width)
 
             with torch.inference_mode():

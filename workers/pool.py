@@ -1,0 +1,414 @@
+"""The KV-cache pool of :class:`~workers.hf.HFWorker`: the sequences a worker scores, as rows
+of one persistent batched cache.
+
+What it holds: per layer, preallocated key/value buffers ``[rows, heads, capacity, head_dim]``
+that a forward pass writes into in place (no per-step copy of the cache); a ``[rows, columns]``
+validity mask; and per row the sequence it serves, the tokens whose keys/values it holds and
+the columns holding them.
+
+A pass appends every row's new tokens at the same new columns (a row with fewer tokens gets
+masked pad columns); a row rolls back by marking its trailing columns invalid; each row's
+position ids count its valid tokens. Attention over masked columns has weight exactly zero, so
+a row's logits are those of the sequence alone. The holes are compacted away (each row's valid
+columns gathered, left-padded) when they make up a quarter of the columns. A sequence joining
+a running batch is prefilled by itself into columns its row does not use (no holes for the
+others); rows left free while the batch drains are dropped.
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from workers.base import common_prefix
+
+if TYPE_CHECKING:
+    from workers.hf import HFWorker
+
+
+def poolable(model) -> bool:
+    """The pool replaces plain full-attention dynamic cache layers; anything else (sliding
+    windows, linear attention, encoder-decoder caches) keeps one DynamicCache per sequence."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except Exception:  # noqa: BLE001 - an exotic config: stay on the generic path
+        return False
+    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def num_layers(model) -> int:
+    from transformers import DynamicCache
+
+    return len(DynamicCache(config=model.config).layers)
+
+
+def buffer_layer(kbuf, vbuf, length: int):
+    """A cache layer over preallocated buffers ``[rows, heads, capacity, head_dim]`` whose first
+    ``length`` columns are in use: an update writes the new columns in place and returns views
+    (transformers' DynamicLayer concatenates, copying the whole cache every step)."""
+    return _buffer_layer_class()(kbuf, vbuf, length)
+
+
+@functools.cache
+def _buffer_layer_class():
+    # built on first use: importing transformers is left to the workers that need it
+    from transformers.cache_utils import DynamicLayer
+
+    class BufferLayer(DynamicLayer):
+        def __init__(self, kbuf, vbuf, length):
+            super().__init__()
+            self.compact_views = False
+            self.kbuf, self.vbuf, self.length = kbuf, vbuf, length
+            self.capacity = 0 if kbuf is None else kbuf.shape[2]
+            self.is_initialized = kbuf is not None
+            if kbuf is not None:
+                self.device = kbuf.device
+                self.keys, self.values = kbuf[:, :, :length], vbuf[:, :, :length]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            end = self.length + key_states.shape[-2]
+            if self.kbuf is None:  # the first pass of an empty pool: allocate
+                shape = (*key_states.shape[:2], max(self.capacity, end), key_states.shape[-1])
+                # zeroed: a masked column still enters attention as 0 x value, so garbage (NaN) must not
+                self.kbuf = key_states.new_zeros(shape)
+                self.vbuf = value_states.new_zeros(shape[:3] + (value_states.shape[-1],))
+                self.device = key_states.device
+                self.is_initialized = True
+            width = end - self.length
+            self.kbuf.narrow(2, self.length, width).copy_(key_states)
+            self.vbuf.narrow(2, self.length, width).copy_(value_states)
+            self.length = end
+            self.keys, self.values = self.kbuf.narrow(2, 0, end), self.vbuf.narrow(2, 0, end)
+            if self.compact_views:  # attention reads a small contiguous copy faster than a strided view
+                return self.keys.contiguous(), self.values.contiguous()
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.length + query_length, 0
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("the pool rolls rows back with its validity mask")
+
+    return BufferLayer
+
+
+class Pool:
+    """The worker's sequences as rows of one batched KV cache (see the module docstring).
+
+    Per row: the tokens whose keys/values it holds (``tokens``) and the cache columns holding
+    them, in order (``cols``); ``valid[r, c]`` says whether column ``c`` of row ``r`` holds one
+    of them. Columns ``[0, used)`` are in use; the buffers have room for ``capacity``. A released
+    sequence frees its row for the next one to join.
+    """
+
+    def __init__(self, worker: HFWorker):
+        self.worker = worker
+        self.kbufs: list[torch.Tensor] | None = None  # per layer [rows, heads, capacity, head_dim]
+        self.vbufs: list[torch.Tensor] | None = None
+        self.layers: list | None = None  # cache layers over the buffers, reused while they last
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=worker.device)  # [rows, capacity]
+        self.used = 0
+        self.rows: list[str | None] = []  # seq_id per row; None: free
+        self.row_of: dict[str, int] = {}
+        self.tokens: list[list[int]] = []
+        self.cols: list[list[int]] = []
+
+    # -- shape management ---------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
+    def _reset(self) -> None:
+        self.__init__(self.worker)
+
+    def _add_rows(self, count: int) -> None:
+        dev = self.worker.device
+        self.valid = torch.cat([self.valid, torch.zeros(count, self.capacity, dtype=torch.bool, device=dev)])
+        if self.kbufs is not None:
+            self.kbufs = [torch.cat([b, b.new_zeros((count,) + b.shape[1:])]) for b in self.kbufs]
+            self.vbufs = [torch.cat([b, b.new_zeros((count,) + b.shape[1:])]) for b in self.vbufs]
+            self.layers = None
+        self.rows.extend([None] * count)
+        self.tokens.extend([] for _ in range(count))
+        self.cols.extend([] for _ in range(count))
+
+    def _rebuild(self, keep_rows: list[int], capacity: int) -> None:
+        """Keep only ``keep_rows`` (in that order) and each one's valid columns, gathered to the
+        right end of ``[0, used)`` (left padding), in buffers of ``capacity`` columns."""
+        dev = self.worker.device
+        width = max((len(self.cols[r]) for r in keep_rows), default=0)
+        capacity = max(capacity, width)
+        index = torch.zeros(len(keep_rows), width, dtype=torch.long, device=dev)
+        valid = torch.zeros(len(keep_rows), capacity, dtype=torch.bool, device=dev)
+        for i, r in enumerate(keep_rows):
+            n = len(self.cols[r])
+            if n:
+                index[i, width - n:] = torch.tensor(self.cols[r], dtype=torch.long)
+                valid[i, width - n:width] = True
+            self.cols[r] = list(range(width - n, width))
+        if self.kbufs is not None:
+            rows = torch.tensor(keep_rows, dtype=torch.long, device=dev)
+            all_rows = keep_rows == list(range(len(self.rows)))
+
+            def gather(buf):
+                idx = index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3])
+                if all_rows and capacity == buf.shape[2]:
+                    # compaction only: in place (the gather reads into a new tensor first), much
+                    # cheaper than new buffers; columns past ``width`` are never read before written
+                    if width:
+                        buf[:, :, :width] = buf.gather(2, idx)
+                    return buf
+                new = buf.new_zeros((len(keep_rows), buf.shape[1], capacity, buf.shape[3]))
+                if width:
+                    picked = buf if all_rows else buf.index_select(0, rows)  # [R', H, C, D]
+                    new[:, :, :width] = picked.gather(2, idx)
+                return new
+
+            self.kbufs = [gather(b) for b in self.kbufs]
+            self.vbufs = [gather(b) for b in self.vbufs]
+            self.layers = None
+        self.valid = valid
+        self.used = width
+        self.rows = [self.rows[r] for r in keep_rows]
+        self.tokens = [self.tokens[r] for r in keep_rows]
+        self.cols = [self.cols[r] for r in keep_rows]
+        self.row_of = {s: i for i, s in enumerate(self.rows) if s is not None}
+
+    def _grow(self, capacity: int) -> None:
+        dev = self.worker.device
+        self.valid = torch.cat([self.valid, torch.zeros(self.valid.shape[0], capacity - self.capacity,
+                                                        dtype=torch.bool, device=dev)], dim=1)
+        if self.kbufs is not None:
+            def grow(buf):
+                new = buf.new_zeros(buf.shape[:2] + (capacity, buf.shape[3]))  # zeroed: masked columns are read too
+                new[:, :, :self.used] = buf[:, :, :self.used]
+                return new
+
+            self.kbufs = [grow(b) for b in self.kbufs]
+            self.vbufs = [grow(b) for b in self.vbufs]
+            self.layers = None
+
+    def _make_room(self, width: int) -> None:
+        """Room for ``width`` more columns: compact if most columns are holes, else grow."""
+        longest = max((len(c) for c in self.cols), default=0)
+        holes = self.used - longest
+        if holes > 16 and 4 * holes > self.used:
+            self._rebuild(list(range(len(self.rows))), max(self.capacity, longest + width))
+        if self.used + width > self.capacity:  # with headroom: growing copies the cache
+            self._grow(max(2 * self.capacity, 2 * (self.used + width), 64))
+
+    @torch.inference_mode()  # the pool's tensors are inference tensors
+    def release(self, seq_ids: Sequence[str]) -> None:
+        for s in seq_ids:
+            r = self.row_of.pop(s, None)
+            if r is None:
+                continue
+            self.rows[r] = None
+            self.tokens[r] = []
+            self.cols[r] = []
+            self.valid[r] = False
+        if not self.row_of:
+            self._reset()  # nothing left: free the buffers
+
+    # -- one forward pass ---------------------------------------------------------------------
+
+    def score(self, seq_ids, token_ids, num_positions) -> list[torch.Tensor]:
+        """:meth:`Worker.score <workers.base.Worker.score>` for sequences of the pool (those new
+        to it join): reconcile each row with its tokens, then one forward pass over all rows."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("score: a sequence appears twice in one call")
+        rows = self._seat(seq_ids)
+        news = self._reconcile(rows, token_ids, num_positions)
+        self._feed_long_rows_first(rows, news, num_positions)
+        return self._forward(rows, news, num_positions)
+
+    def _seat(self, seq_ids) -> list[int]:
+        """Each sequence's row; joining ones take free rows first, then new ones."""
+        joining = [s for s in seq_ids if s not in self.row_of]
+        if joining:
+            free = [r for r, s in enumerate(self.rows) if s is None]
+            if len(free) < len(joining):
+                self._add_rows(len(joining) - len(free))
+                free = [r for r, s in enumerate(self.rows) if s is None]
+            for s, r in zip(joining, free):
+                self.rows[r] = s
+                self.row_of[s] = r
+        # Rows still free after the joins (sequences left, none waiting: the batch is draining)
+        # would take part in every pass as padding: once they are a quarter of the rows, drop
+        # them (which also compacts the columns). A geometric rule: few rebuilds as it drains.
+        free = len(self.rows) - len(self.row_of)
+        if free and 4 * free >= len(self.rows):
+            self._rebuild([r for r, s in enumerate(self.rows) if s is not None], self.capacity)
+        return [self.row_of[s] for s in seq_ids]
+
+    def _reconcile(self, rows: list[int], token_ids, num_positions) -> list[list[int]]:
+        """Roll each row back to its longest common prefix with the tokens it is handed (keeping
+        the positions that need logits uncached); return the tokens each row still has to feed."""
+        dev = self.worker.device
+        news = []
+        drop_rows, drop_cols = [], []
+        for r, toks, n in zip(rows, token_ids, num_positions):
+            toks = list(toks)
+            if not 1 <= n <= len(toks):
+                raise ValueError(f"num_positions={n} for a sequence of {len(toks)} tokens")
+            have = self.tokens[r]
+            keep = min(common_prefix(have, toks), len(toks) - n)
+            if keep < len(have):
+                dropped = self.cols[r][keep:]
+                drop_rows.extend([r] * len(dropped))
+                drop_cols.extend(dropped)
+                del self.cols[r][keep:]
+                del have[keep:]
+            news.append(toks[keep:])
+        if drop_rows:
+            self.valid[torch.tensor(drop_rows, device=dev), torch.tensor(drop_cols, device=dev)] = False
+        return news
+
+    def _feed_long_rows_first(self, rows: list[int], news: list[list[int]], num_positions) -> None:
+        """A few rows with much more to feed than the others (a sequence joining a running batch)
+        would widen every row's pass to their length: feed most of theirs first, by themselves,
+        leaving in ``news`` what the common pass still feeds them."""
+        width = max(len(new) for new in news)
+        if self.kbufs is None or width <= 8 or len(rows) <= 1:
+            return
+        typical = sorted(len(new) for new in news)[len(news) // 2]
+        long = [i for i, new in enumerate(news)
+                if len(new) > max(8, 4 * typical) and len(new) > max(typical, num_positions[i])]
+        if not long or 2 * len(long) > len(rows):
+            return
+        tails = [max(typical, num_positions[i]) for i in long]
+        heads = {i: news[i][:-t] for i, t in zip(long, tails)}
+        # A newcomer (nothing cached) fits in columns its row does not use: no new columns
+        fresh = [i for i in long if not self.cols[rows[i]] and len(heads[i]) <= self.used]
+        if fresh:
+            self._prefill_fresh([rows[i] for i in fresh], [heads[i] for i in fresh])
+        others = [i for i in long if i not in fresh]
+        if others:
+            self._forward([rows[i] for i in others], [heads[i] for i in others], [1] * len(others), subset=True)
+        for i, t in zip(long, tails):
+            news[i] = news[i][-t:]
+
+    def _window(self, news: list[list[int]], starts: list[int], width: int):
+        """A pass's input window of ``width`` columns: (input ids, position ids, which columns hold
+        a real token), one row per ``news``. Each row's new tokens end the window (pads first), so
+        that every row's last token is at the window's end (logits are kept for the last
+        positions only); positions count the row's valid tokens on from ``starts``."""
+        input_ids = torch.tensor([[0] * (width - len(new)) + list(new) for new in news], dtype=torch.long)
+        offsets = torch.tensor([width - len(new) for new in news], dtype=torch.long)
+        window = torch.arange(width)
+        positions = (torch.tensor(starts, dtype=torch.long) - offsets)[:, None] + window
+        positions.clamp_(min=0)  # pad positions (masked anyway) clamped into range
+        if self.worker.context_length:
+            positions.clamp_(max=self.worker.context_length - 1)
+        return input_ids, positions, window[None, :] >= offsets[:, None]
+
+    def _prefill_fresh(self, rows: list[int], heads: list[list[int]]) -> None:
+        """Prefill rows that hold nothing yet (sequences joining a running batch) by themselves,
+        in a cache of their own, and write their keys/values into the columns just before
+        ``used``, which their rows do not use. Appending them as new columns instead would leave
+        every other row that many holes to attend over and compact away."""
+        dev = self.worker.device
+        width = max(len(h) for h in heads)
+        input_ids, positions, mask = self._window(heads, [0] * len(heads), width)
+        layers = [buffer_layer(None, None, 0) for _ in self.kbufs]
+        self.worker._logits(input_ids.to(dev), positions.to(dev), layers, mask.to(dev), 1)
+        used = self.used
+        for layer, k, v in zip(layers, self.kbufs, self.vbufs):
+            for i, (r, h) in enumerate(zip(rows, heads)):
+                k[r, :, used - len(h):used] = layer.kbuf[i, :, width - len(h):width]
+                v[r, :, used - len(h):used] = layer.vbuf[i, :, width - len(h):width]
+        for r, h in zip(rows, heads):
+            self.valid[r, used - len(h):used] = True
+            self.cols[r] = list(range(used - len(h), used))
+            self.tokens[r] = list(h)
+
+    def _forward(self, rows: list[int], news: list[list[int]], num_positions, subset: bool | None = None):
+        """One forward pass feeding ``news[i]`` to row ``rows[i]``; logits of each one's last
+        ``num_positions[i]`` positions."""
+        worker = self.worker
+        dev = worker.device
+        width = max(len(new) for new in news)
+        self._make_room(width)
+        used = self.used
+        # All rows take part (idle ones with masked pads: no copy), unless few do: then the
+        # participants' rows are gathered into a temporary cache and their new columns copied back.
+        if subset is None:
+            subset = 3 * len(rows) < len(self.rows)
+        subset = subset and self.kbufs is not None
+        batch_rows = rows if subset else list(range(len(self.rows)))
+        index = torch.tensor(rows, dtype=torch.long, device=dev) if subset else None
+        slot = {r: i for i, r in enumerate(batch_rows)}
+        fed: list[list[int]] = [[] for _ in batch_rows]  # idle rows: all pads
+        for r, new in zip(rows, news):
+            fed[slot[r]] = new
+        input_ids, positions, new_valid = self._window(fed, [len(self.tokens[r]) for r in batch_rows], width)
+        layers, mask = self._pass_cache(index, new_valid.to(dev), width)
+        keep = max(num_positions)  # logits only for the last positions any row needs
+        # A small cache is copied to contiguous keys/values for attention (cheaper than the
+        # strided read); a large one is read in place (a copy would cost more than it saves).
+        compact = len(batch_rows) * (used + width) <= 4096
+        for layer in layers:
+            layer.compact_views = compact
+        logits_all = worker._logits(input_ids.to(dev), positions.to(dev), layers, mask, keep)
+        self._keep_new_columns(layers, index, new_valid, width)
+        self.used = used + width
+        if logits_all.dtype in (torch.float16, torch.bfloat16):
+            logits_all = logits_all.float()
+        logits_all = logits_all.cpu()
+        results = []
+        for r, new, n in zip(rows, news, num_positions):
+            self.cols[r].extend(range(used + width - len(new), used + width))
+            self.tokens[r].extend(new)
+            results.append(logits_all[slot[r], keep - n:keep])
+        return results
+
+    def _pass_cache(self, index: torch.Tensor | None, new_valid: torch.Tensor, width: int):
+        """The cache layers a pass writing ``width`` new columns runs on, and its attention mask
+        ``[rows, used + width]``: the pool's own buffers, written in place, or (``index``: the
+        rows taking part) a gathered copy of those rows. ``new_valid`` says which new columns
+        hold a real token."""
+        used = self.used
+        self.valid[:, used:used + width] = False
+        if index is not None:
+            self.valid[index, used:used + width] = new_valid
+            mask = self.valid.index_select(0, index)[:, :used + width]
+            return [buffer_layer(k.index_select(0, index), v.index_select(0, index), used)
+                    for k, v in zip(self.kbufs, self.vbufs)], mask
+        self.valid[:, used:used + width] = new_valid
+        mask = self.valid[:, :used + width]
+        if self.kbufs is None:  # the first pass: the layers allocate the buffers
+            layers = [buffer_layer(None, None, 0) for _ in range(num_layers(self.worker.model))]
+            for layer in layers:
+                layer.capacity = self.capacity
+            return layers, mask
+        if self.layers is None:
+            self.layers = [buffer_layer(k, v, used) for k, v in zip(self.kbufs, self.vbufs)]
+        for layer in self.layers:
+            layer.length = used
+        return self.layers, mask
+
+    def _keep_new_columns(self, layers, index: torch.Tensor | None, new_valid: torch.Tensor, width: int) -> None:
+        """After a pass: the new columns into the pool's buffers (copied back from a gathered
+        copy; adopted from the layers of the first pass), pad columns zeroed."""
+        used = self.used
+        if not bool(new_valid.all()):  # pad columns hold junk: zero it, so that nothing non-finite can ever sit in the cache
+            junk = ~new_valid.to(self.worker.device)[:, None, :, None]
+            for layer in layers:
+                layer.kbuf.narrow(2, used, width).masked_fill_(junk, 0)
+                layer.vbuf.narrow(2, used, width).masked_fill_(junk, 0)
+        if index is not None:
+            for layer, k, v in zip(layers, self.kbufs, self.vbufs):
+                k[index, :, used:used + width] = layer.kbuf[:, :, used:used + width]
+                v[index, :, used:used + width] = layer.vbuf[:, :, used:used + width]
+        elif self.kbufs is None:
+            self.kbufs = [layer.kbuf for layer in layers]
+            self.vbufs = [layer.vbuf for layer in layers]
+            self.layers = layers
