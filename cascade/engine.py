@@ -1,21 +1,26 @@
 """The engine: one exact speculative step along a path of the hierarchy, repeated.
 
-A step runs a path ``l_0 -> l_1 -> ... -> authority`` chosen by the policy. ``extend(i, budget)``
-produces up to ``budget`` tokens that are exact samples of level ``l_i``'s distribution:
+A step runs a path ``l_0 -> l_1 -> ... -> authority`` chosen by the policy
+(:meth:`Engine.step`). ``_extend(i)`` produces, per sequence, up to its budget of tokens that
+are exact samples of level ``l_i``'s distribution:
 
-- the first level of the path drafts them autoregressively (``Worker.draft``);
+- the first level of the path drafts them autoregressively (:meth:`Engine._draft`,
+  ``Worker.draft``);
 - any other level repeats rounds of: get a block from ``l_{i-1}`` (its lookahead), score it in
-  one forward pass, keep the accepted prefix plus the recovered/bonus token (verify.py).
+  one forward pass, verify it, emit the accepted prefix plus the recovered/bonus token
+  (:meth:`Engine._verify_rounds`, ``cascade/verify.py``).
 
 Every token ``l_i`` emits is an exact sample of ``l_i``'s distribution and ``l_i`` computed that
 distribution at its position, so (tokens, rows) go up as (draft tokens, ``draft_probs``) to
 ``l_{i+1}``, which verifies with the same rule. By induction the authority's output is exact
-(DESIGN.md §2). Block lengths depend only on information the proposer had (its lookahead and
-its own confidence): stopping times, which keep it exact.
+(cascade/DESIGN.md §2, §3). Block lengths depend only on information the proposer had (its
+lookahead and its own confidence): stopping times, which keep it exact.
 
 Sequences run in batches (:class:`Batch`, a solo request is a batch of one): each forward pass
 of a level covers every sequence that needs one at that point, each sequence accepts its own
-number of tokens, and each draws its randomness from its own generator.
+number of tokens, and each draws its randomness from its own generator. Every worker call is
+timed once (:meth:`Engine._timed_call`): each sequence's stats get their share, the policy's
+cost model the positions the call really computed.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import networkx as nx
 import torch
@@ -32,8 +37,13 @@ from cascade.errors import RequestError, WorkerError
 from cascade.sampling import Sampling, SamplingOverride
 from cascade.stats import RequestStats
 from cascade.verify import verify_block
-from policies.base import EdgeOutcome, PassCost, PlanContext, Policy, PolicyError, StepFeedback, StepPlan, draft_step
-from workers.base import Worker
+from policies.base import (DraftStep, EdgeOutcome, PassCost, PlanContext, Policy, PolicyError, StepFeedback,
+                           StepPlan, StopRule, draft_step)
+from workers.base import Worker, common_prefix
+
+# A level's output for one sequence: its tokens and the rows ``[len(tokens), vocab]`` they were
+# sampled from (None when there are no tokens).
+Block = tuple[list[int], torch.Tensor | None]
 
 
 @dataclass
@@ -62,12 +72,11 @@ class RequestState:
         """Positions a call on ``level`` computes for this sequence: those of ``tokens`` past
         the level's cached prefix (at least ``num_positions``); then the level holds
         ``tokens[:cached_after]``."""
-        held = self.level_tokens.get(level, [])
-        n = min(len(held), len(tokens) - num_positions)
-        keep = n if held[:n] == tokens[:n] else next((i for i in range(n) if held[i] != tokens[i]), n)
+        keep = min(common_prefix(self.level_tokens.get(level, []), tokens), len(tokens) - num_positions)
         # the callers build ``tokens`` afresh for each call: keep it, no copy, when it is all cached
         self.level_tokens[level] = tokens if cached_after == len(tokens) else tokens[:cached_after]
         return len(tokens) - keep
+
 
 
 @dataclass
@@ -95,6 +104,42 @@ class _StepRecord:
         if confidence is not None:
             confidence = tuple(confidence[:proposed])
         self.edges.append(EdgeOutcome(proposer, verifier, proposed, accepted, confidence))
+
+    def feedback(self, plan: StepPlan, produced: int, seq_id: str) -> StepFeedback:
+        confidence = sum(self.confidence) / len(self.confidence) if self.confidence else None
+        return StepFeedback(plan, tuple(self.edges), self.seconds, self.passes, produced, confidence, seq_id)
+
+
+@dataclass(slots=True)
+class _Seq:
+    """One sequence's part in one level's work during a step: up to ``budget`` exact samples of
+    the level after ``prefix``, gathered in ``tokens`` with the rows they were sampled from."""
+
+    state: RequestState
+    record: _StepRecord
+    prefix: list[int]
+    budget: int
+    tokens: list[int] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)
+    last: DraftStep | None = None  # the block's previous step, for the stop rule
+    stopped: bool = False  # the stop rule ended the block
+
+    def below(self, budget: int) -> "_Seq":
+        """The sequence's part for the level below: a block after what this level has so far."""
+        return _Seq(self.state, self.record, self.prefix + self.tokens, budget)
+
+    def block(self) -> Block:
+        return self.tokens, (torch.stack(self.rows) if self.rows else None)
+
+
+class _Feed(NamedTuple):
+    """What one worker call handed a level for one sequence, to price the call."""
+
+    tokens: list[int]  # the sequence as the call saw it
+    positions: int  # the trailing positions it computes whatever the level has cached
+    cached_after: int  # the level then holds tokens[:cached_after]
+    passes: int  # forward passes the call ran for the sequence
+    scored: int  # positions it scores for the sequence: fed beyond them is catch-up (prefill)
 
 
 class Engine:
@@ -174,124 +219,168 @@ class Engine:
         base = state.request.sampling
         return override.apply(base) if (override is not None and level != self.authority) else base
 
-    def _extend(self, group, plan, i, prefixes, budgets, records, policy) -> list[tuple[list[int], torch.Tensor | None]]:
+    def step(self, group: list[RequestState], plan: StepPlan, budgets: list[int], policy: Policy) -> list[list[int]]:
+        """One speculative step along ``plan.path`` for ``group``, sequences sharing one sampling
+        configuration: for each, up to ``budgets[b]`` (>= 1) new tokens, exact samples of the
+        authority after the sequence's prompt and generated tokens.
+
+        Each level's time and passes and each edge's outcome go into the sequences' stats, and
+        to ``policy``: every worker call as a :class:`PassCost`, every sequence's step as a
+        :class:`StepFeedback`. Nothing is committed: the caller cuts at EOS and appends. A failing
+        worker raises :class:`WorkerError` naming its level (``exc.level``).
+        """
+        records = [_StepRecord(s.stats) for s in group]
+        seqs = [_Seq(s, r, s.request.prompt_ids + s.generated, b) for s, r, b in zip(group, records, budgets)]
+        blocks = self._extend(seqs, len(plan.path) - 1, plan, policy)
+        for state, record, (tokens, _) in zip(group, records, blocks):
+            policy.observe(record.feedback(plan, len(tokens), state.seq_id))
+        return [tokens for tokens, _ in blocks]
+
+    def _extend(self, seqs: list[_Seq], i: int, plan: StepPlan, policy: Policy) -> list[Block]:
+        """For each sequence, up to its budget of exact samples of level ``plan.path[i]``."""
         try:
-            return self._extend_level(group, plan, i, prefixes, budgets, records, policy)
+            if i == 0 and plan.path[i] != self.authority:
+                return self._draft(seqs, plan.path[i], plan.stop.get(plan.path[i]), policy)
+            return self._verify_rounds(seqs, i, plan, policy)
         except WorkerError as exc:
             if exc.level is None:  # name the failing level (the innermost call sets it first)
                 exc.level = plan.path[i]
             raise
 
-    def _extend_level(
-        self,
-        group: list[RequestState],  # sequences sharing one sampling configuration
-        plan: StepPlan,
-        i: int,
-        prefixes: list[list[int]],
-        budgets: list[int],
-        records: list["_StepRecord"],
-        policy: Policy,
-    ) -> list[tuple[list[int], torch.Tensor | None]]:
-        """For each sequence, up to ``budgets[b]`` exact samples of level ``plan.path[i]`` after
-        ``prefixes[b]``, with the rows they were sampled from. Every forward pass covers all the
-        sequences that still need one; each accepts its own number of tokens. The authority (top
-        of the path) runs a single round."""
-        level = plan.path[i]
-        worker = self.workers[level]
-        sampling = self._sampling(group[0], level)
-        stop = plan.stop.get(level)
-        n = len(group)
-        if i == 0 and level != self.authority:
-            todo = [b for b in range(n) if budgets[b] > 0]
-            uniforms = [torch.rand(budgets[b], generator=group[b].generator, dtype=torch.float64) for b in todo]
-            t0 = time.perf_counter()
-            drafts = worker.draft([group[b].seq_id for b in todo], [prefixes[b] for b in todo],
-                                  [budgets[b] for b in todo], sampling, uniforms, stop)
-            seconds = time.perf_counter() - t0
-            share = seconds / max(1, len(todo))
-            if todo:
-                # the first pass feeds what the level has not cached, each later one the token before
-                fed = [group[b].fed(level, prefixes[b] + d.tokens[:-1], len(d.tokens), len(prefixes[b]) + len(d.tokens) - 1)
-                       for b, d in zip(todo, drafts)]
-                policy.observe_pass(PassCost(level, len(todo), max(d.forward_passes for d in drafts), sum(fed), seconds,
-                                             rows=sum(d.forward_passes for d in drafts),
-                                             catch_up=max(f - d.forward_passes for f, d in zip(fed, drafts))))
-            results: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in range(n)]
-            for b, draft in zip(todo, drafts):
-                records[b].cost(level, share, draft.forward_passes)
-                records[b].confidence.extend(draft.confidence or [])
-                records[b].draft_confidence = draft.confidence if draft.tokens else None
-                records[b].stats.level(level).early_stops += draft.stopped_early
-                results[b] = (draft.tokens, draft.probs)
-            return results
+    def _draft(self, seqs: list[_Seq], level: str, stop: StopRule | None, policy: Policy) -> list[Block]:
+        """The path's first level drafts each block autoregressively, one forward pass per token
+        for all sequences still drafting; ``stop`` may end a block early."""
+        worker, sampling = self.workers[level], self._sampling(seqs[0].state, level)
+        # A sequence's draws for the whole block come from its generator up front.
+        uniforms = [torch.rand(s.budget, generator=s.state.generator, dtype=torch.float64) for s in seqs]
 
+        def call():
+            return worker.draft([s.state.seq_id for s in seqs], [s.prefix for s in seqs], [s.budget for s in seqs],
+                                sampling, uniforms, stop)
+
+        def feeds(drafts):  # the first pass feeds what the level has not cached, each later one the token before
+            return [_Feed(s.prefix + d.tokens[:-1], len(d.tokens), len(s.prefix) + len(d.tokens) - 1,
+                          d.forward_passes, d.forward_passes) for s, d in zip(seqs, drafts)]
+
+        drafts = self._timed_call(level, seqs, policy, call, feeds)
+        for s, d in zip(seqs, drafts):
+            s.record.confidence.extend(d.confidence or [])
+            s.record.draft_confidence = d.confidence if d.tokens else None
+            s.record.stats.level(level).early_stops += d.stopped_early
+        return [(d.tokens, d.probs) for d in drafts]
+
+    def _verify_rounds(self, seqs: list[_Seq], i: int, plan: StepPlan, policy: Policy) -> list[Block]:
+        """Level ``plan.path[i]`` builds each block in rounds: a block from the level below, scored
+        in one forward pass, verified; the accepted prefix and the recovered or bonus token are
+        emitted. Every pass covers all sequences still short of their budget; each accepts its
+        own number of tokens. The authority (top of the path) runs a single round."""
+        level, top = plan.path[i], i == len(plan.path) - 1
         below = plan.path[i - 1] if i > 0 else None
-        top = i == len(plan.path) - 1
-        outs: list[list[int]] = [[] for _ in range(n)]
-        rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        last: list = [None] * n  # each sequence's previous DraftStep in this block (stop rules)
-        stopped = [False] * n
-        while True:
-            active = [b for b in range(n) if not stopped[b] and len(outs[b]) < budgets[b]]
-            if not active:
-                break
-            # Ask the level below for at most budget-1-len(out) tokens: with the bonus token a
-            # fully accepted block then lands exactly on the budget.
-            ks = {b: min(plan.lookahead.get(below, 0), budgets[b] - len(outs[b]) - 1) if below else 0 for b in active}
-            subs: dict[int, tuple[list[int], torch.Tensor | None]] = {b: ([], None) for b in active}
-            need = [b for b in active if ks[b] > 0]
-            if need:
-                got = self._extend([group[b] for b in need], plan, i - 1, [prefixes[b] + outs[b] for b in need],
-                                   [ks[b] for b in need], [records[b] for b in need], policy)
-                subs.update(zip(need, got))
-            scored = ([group[b].seq_id for b in active], [prefixes[b] + outs[b] + subs[b][0] for b in active],
-                      [len(subs[b][0]) + 1 for b in active])
-            t0 = time.perf_counter()
-            if stop is None:
-                # Only the sampling rows are needed: a remote worker warps next to the model and
-                # ships the nonzero entries alone.
-                logits = None
-                level_probs = worker.score_probs(*scored, sampling)  # per sequence [k_b + 1, vocab]
-            else:  # the stop rule reads the model's own logits
-                logits = worker.score(*scored)
-                level_probs = [sampling.probs(x) for x in logits]
-            seconds = time.perf_counter() - t0
-            share = seconds / len(active)
-            fed = [group[b].fed(level, t, m, len(t)) for b, t, m in zip(active, scored[1], scored[2])]
-            policy.observe_pass(PassCost(level, len(active), 1, sum(fed), seconds,
-                                         catch_up=max(f - m for f, m in zip(fed, scored[2]))))
+        sampling, stop = self._sampling(seqs[0].state, level), plan.stop.get(level)
+        while active := [s for s in seqs if not s.stopped and len(s.tokens) < s.budget]:
+            proposals = self._proposals(active, i, plan, policy)
+            logits, target_probs = self._score(level, active, proposals, sampling, stop, policy)
             # Each sequence draws from its own generator, k + 1 uniforms, as it always has.
-            uniforms = [torch.rand(len(subs[b][0]) + 1, generator=group[b].generator, dtype=torch.float64)
-                        for b in active]
-            # Sequences with nothing proposed sample one token each: all in one call.
-            alone = [a for a, b in enumerate(active) if not subs[b][0]]
-            sampled = {}
-            if alone:
-                picked = sampling.draw(torch.stack([level_probs[a][0] for a in alone]),
-                                       torch.stack([uniforms[a][0] for a in alone]))
-                sampled = dict(zip(alone, picked.tolist()))
-            for a, b in enumerate(active):
-                records[b].cost(level, share, 1)
-                sub_tokens, sub_probs = subs[b]
-                k = len(sub_tokens)
-                if k:
-                    verdict = verify_block(sub_tokens, sub_probs, level_probs[a], uniforms[a])
-                    records[b].edge(below, level, k, verdict.accepted)
-                    emitted = sub_tokens[: verdict.accepted] + [verdict.next_token]
+            uniforms = [torch.rand(len(tokens) + 1, generator=s.state.generator, dtype=torch.float64)
+                        for s, (tokens, _) in zip(active, proposals)]
+            sampled = self._sample_unproposed(sampling, proposals, target_probs, uniforms)
+            for a, (s, (tokens, draft_probs)) in enumerate(zip(active, proposals)):
+                if tokens:
+                    verdict = verify_block(tokens, draft_probs, target_probs[a], uniforms[a])
+                    s.record.edge(below, level, len(tokens), verdict.accepted)
+                    emitted = tokens[: verdict.accepted] + [verdict.next_token]
                 else:  # nothing proposed: the level sampled one token itself
                     emitted = [sampled[a]]
-                for j, tok in enumerate(emitted):
-                    outs[b].append(tok)
-                    rows[b].append(level_probs[a][j])
-                    if stop is not None and not top and len(outs[b]) < budgets[b]:
-                        step = last[b] = draft_step(len(outs[b]) - 1, logits[a][j], tok, previous=last[b])
-                        if stop.should_stop(step):
-                            records[b].stats.level(level).early_stops += 1
-                            stopped[b] = True
-                            break
+                self._emit(s, level, emitted, target_probs[a], None if logits is None else logits[a],
+                           None if top else stop)
             if top:
                 break  # the authority commits after one verification
-        return [(outs[b], torch.stack(rows[b]) if rows[b] else None) for b in range(n)]
+        return [s.block() for s in seqs]
+
+    def _proposals(self, seqs: list[_Seq], i: int, plan: StepPlan, policy: Policy) -> list[Block]:
+        """This round's block from the level below ``plan.path[i]`` for each sequence (none for
+        the first level of the path)."""
+        proposals: list[Block] = [([], None)] * len(seqs)
+        if i == 0:
+            return proposals
+        lookahead = plan.lookahead.get(plan.path[i - 1], 0)
+        # Ask for at most budget-1-len(tokens): with the bonus token a fully accepted block then
+        # lands exactly on the budget.
+        wanted = [min(lookahead, s.budget - len(s.tokens) - 1) for s in seqs]
+        need = [a for a, k in enumerate(wanted) if k > 0]
+        if need:
+            got = self._extend([seqs[a].below(wanted[a]) for a in need], i - 1, plan, policy)
+            for a, block in zip(need, got):
+                proposals[a] = block
+        return proposals
+
+    def _score(self, level: str, seqs: list[_Seq], proposals: list[Block], sampling: Sampling,
+               stop: StopRule | None, policy: Policy) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
+        """One forward pass of ``level`` over each sequence with its proposed block: the level's
+        sampling rows ``[k_b + 1, vocab]`` per sequence, and its logits where a stop rule reads
+        them (else None)."""
+        worker = self.workers[level]
+        ids = [s.state.seq_id for s in seqs]
+        tokens = [s.prefix + s.tokens + block for s, (block, _) in zip(seqs, proposals)]
+        positions = [len(block) + 1 for block, _ in proposals]
+        feeds = [_Feed(t, m, len(t), 1, m) for t, m in zip(tokens, positions)]
+        if stop is None:
+            # Only the sampling rows are needed: a remote worker warps next to the model and
+            # ships the nonzero entries alone.
+            call = lambda: (None, worker.score_probs(ids, tokens, positions, sampling))  # noqa: E731
+        else:  # the stop rule reads the model's own logits
+
+            def call():
+                logits = worker.score(ids, tokens, positions)
+                return logits, [sampling.probs(x) for x in logits]
+
+        return self._timed_call(level, seqs, policy, call, lambda _: feeds)
+
+    @staticmethod
+    def _sample_unproposed(sampling: Sampling, proposals: list[Block], target_probs: list[torch.Tensor],
+                           uniforms: list[torch.Tensor]) -> dict[int, int]:
+        """Sequences with nothing proposed sample one token each from the level: all in one call."""
+        alone = [a for a, (tokens, _) in enumerate(proposals) if not tokens]
+        if not alone:
+            return {}
+        picked = sampling.draw(torch.stack([target_probs[a][0] for a in alone]),
+                               torch.stack([uniforms[a][0] for a in alone]))
+        return dict(zip(alone, picked.tolist()))
+
+    @staticmethod
+    def _emit(s: _Seq, level: str, emitted: list[int], rows: torch.Tensor, logits: torch.Tensor | None,
+              stop: StopRule | None) -> None:
+        """Append a round's tokens to the sequence's block with the rows they were sampled from.
+        ``stop`` (never the authority's) may end the block after any of them short of the budget."""
+        for j, tok in enumerate(emitted):
+            s.tokens.append(tok)
+            s.rows.append(rows[j])
+            if stop is not None and len(s.tokens) < s.budget:
+                s.last = draft_step(len(s.tokens) - 1, logits[j], tok, previous=s.last)
+                if stop.should_stop(s.last):
+                    s.record.stats.level(level).early_stops += 1
+                    s.stopped = True
+                    break
+
+    @staticmethod
+    def _timed_call(level: str, seqs: list[_Seq], policy: Policy, call: Callable[[], Any],
+                    feeds: Callable[[Any], list[_Feed]]) -> Any:
+        """Run ``call`` (one worker call for ``seqs``) and report what it cost: each sequence's
+        record gets an equal share of the time and its forward passes; the policy one
+        :class:`PassCost` with the positions the level really computed, prefill included
+        (``feeds(result)`` says what the call handed the level for each sequence)."""
+        t0 = time.perf_counter()
+        result = call()
+        seconds = time.perf_counter() - t0
+        fed = feeds(result)
+        computed = [s.state.fed(level, f.tokens, f.positions, f.cached_after) for s, f in zip(seqs, fed)]
+        passes = [f.passes for f in fed]
+        policy.observe_pass(PassCost(level, len(seqs), max(passes), sum(computed), seconds, rows=sum(passes),
+                                     catch_up=max(c - f.scored for c, f in zip(computed, fed))))
+        share = seconds / len(seqs)
+        for s, p in zip(seqs, passes):
+            s.record.cost(level, share, p)
+        return result
 
 
 class Batch:
@@ -349,10 +438,8 @@ class Batch:
         ctx = PlanContext(engine.graph, engine.authority, max(remaining), min(s.stats.steps for s in group),
                           available, batch_size=len(self.active))
         plan = self.policy.plan(ctx)
-        records = [_StepRecord(s.stats) for s in group]
-        prefixes = [s.request.prompt_ids + s.generated for s in group]
         try:
-            outs = engine._extend(group, plan, len(plan.path) - 1, prefixes, remaining, records, self.policy)
+            outs = engine.step(group, plan, remaining, self.policy)
         except WorkerError as exc:
             if not self._drop_level(exc, group):
                 for s in group:
@@ -360,25 +447,23 @@ class Batch:
                 exc.partial = {s.seq_id: list(s.generated) for s in group} if len(group) > 1 else list(group[0].generated)
                 raise
             return []  # redo the step without the level next time; nothing was committed
-        committed = []
-        for state, record, (new, _) in zip(group, records, outs):
-            state.stats.steps += 1
-            confidence = sum(record.confidence) / len(record.confidence) if record.confidence else None
-            self.policy.observe(StepFeedback(plan, tuple(record.edges), record.seconds, record.passes, len(new),
-                                             confidence, state.seq_id))
-            for j, tok in enumerate(new):
-                if tok in engine.eos_token_ids:
-                    new = new[: j + 1]
-                    state.finish_reason = "eos"
-                    break
-            state.generated.extend(new)
-            state.stats.new_tokens = len(state.generated)
-            state.stats.wall_seconds = time.perf_counter() - self._started[state.seq_id]
-            limit = self._limits[state.seq_id]
-            if state.finish_reason is None and len(state.generated) >= limit:
-                state.finish_reason = "length" if limit == state.request.max_new_tokens else "context"
-            committed.append((state, new))
-        return committed
+        return [(state, self._commit(state, new)) for state, new in zip(group, outs)]
+
+    def _commit(self, state: RequestState, new: list[int]) -> list[int]:
+        """Append a step's tokens to the request (up to an EOS) and settle whether it finished."""
+        state.stats.steps += 1
+        for j, tok in enumerate(new):
+            if tok in self.engine.eos_token_ids:
+                new = new[: j + 1]
+                state.finish_reason = "eos"
+                break
+        state.generated.extend(new)
+        state.stats.new_tokens = len(state.generated)
+        state.stats.wall_seconds = time.perf_counter() - self._started[state.seq_id]
+        limit = self._limits[state.seq_id]
+        if state.finish_reason is None and len(state.generated) >= limit:
+            state.finish_reason = "length" if limit == state.request.max_new_tokens else "context"
+        return new
 
     def _drop_level(self, exc: WorkerError, group: list[RequestState]) -> bool:
         """A draft level failed: leave it out for these requests and say so. Its tokens were
