@@ -306,7 +306,7 @@ class Cascade:
             ids = list(prompt)
         check_token_ids(ids, self._vocab_size(), where)
         try:
-            return self.engine.start(Request(ids, params.max_new_tokens, sampling, seed))
+            return self.engine.start(Request(ids, params.max_new_tokens, sampling, seed, params.provenance))
         except RequestError as exc:
             msg = str(exc)
             raise RequestError(where + msg[len("prompt"):] if msg.startswith("prompt:") else msg) from None
@@ -335,7 +335,7 @@ class Cascade:
                 ids.pop()
             state.stats.new_tokens = len(ids)
         text = self._text(ids, stops) if self.tokenizer is not None else ""
-        steps = None if getattr(state, "provenance", None) is None else cut_provenance(state.provenance, len(ids))
+        steps = None if state.provenance is None else cut_provenance(state.provenance, len(ids))
         return Generation(prompt, ids, text, state.finish_reason or "length", state.stats, steps)
 
     def _text(self, ids: list[int], stops: list[str]) -> str:

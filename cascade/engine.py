@@ -35,7 +35,7 @@ import torch
 
 from cascade.errors import RequestError, WorkerError
 from cascade.sampling import Sampling, SamplingOverride
-from cascade.stats import RequestStats
+from cascade.stats import BlockOutcome, RequestStats, StepProvenance, cut_provenance
 from cascade.verify import verify_block
 from policies.base import (DraftStep, EdgeOutcome, PassCost, PlanContext, Policy, PolicyError, StepFeedback,
                            StepPlan, StopRule, draft_step)
@@ -52,6 +52,7 @@ class Request:
     max_new_tokens: int = 128
     sampling: Sampling = field(default_factory=Sampling)
     seed: int | None = None
+    provenance: bool = False  # record where each committed token came from (RequestState.provenance)
 
 
 @dataclass
@@ -68,6 +69,9 @@ class RequestState:
     # really feeds, prefill included, is priced for the policy's cost model
     level_tokens: dict[str, list[int]] = field(default_factory=dict)
 
+    # with request.provenance, one record per committed step (else None: nothing is recorded)
+    provenance: list[StepProvenance] | None = None
+    policy: Policy | None = None  # this request's own policy (None: its batch's)
     def fed(self, level: str, tokens: list[int], num_positions: int, cached_after: int) -> int:
         """Positions a call on ``level`` computes for this sequence: those of ``tokens`` past
         the level's cached prefix (at least ``num_positions``); then the level holds
@@ -105,6 +109,10 @@ class _StepRecord:
             confidence = tuple(confidence[:proposed])
         self.edges.append(EdgeOutcome(proposer, verifier, proposed, accepted, confidence))
 
+    def provenance(self, plan: StepPlan, tokens: list[int], origins: list[str]) -> StepProvenance:
+        blocks = tuple(BlockOutcome(e.proposer, e.verifier, e.proposed, e.accepted) for e in self.edges)
+        return StepProvenance(plan.path, tuple(tokens), tuple(origins), blocks)
+
     def feedback(self, plan: StepPlan, produced: int, seq_id: str) -> StepFeedback:
         confidence = sum(self.confidence) / len(self.confidence) if self.confidence else None
         return StepFeedback(plan, tuple(self.edges), self.seconds, self.passes, produced, confidence, seq_id)
@@ -123,10 +131,13 @@ class _Seq:
     rows: list[torch.Tensor] = field(default_factory=list)
     last: DraftStep | None = None  # the block's previous step, for the stop rule
     stopped: bool = False  # the stop rule ended the block
+    # with provenance, parallel to ``tokens``: the level whose draft each token is (else None)
+    origins: list[str] | None = None
 
     def below(self, budget: int) -> "_Seq":
         """The sequence's part for the level below: a block after what this level has so far."""
-        return _Seq(self.state, self.record, self.prefix + self.tokens, budget)
+        return _Seq(self.state, self.record, self.prefix + self.tokens, budget,
+                    origins=None if self.origins is None else [])
 
     def block(self) -> Block:
         return self.tokens, (torch.stack(self.rows) if self.rows else None)
@@ -183,6 +194,7 @@ class Engine:
             seq_id=uuid.uuid4().hex,
             generator=torch.Generator().manual_seed(seed),
             stats=RequestStats(self.authority, prompt_tokens=len(request.prompt_ids)),
+            provenance=[] if request.provenance else None,
         )
 
     def bind(self, policy: Policy | None) -> Policy:
@@ -227,13 +239,17 @@ class Engine:
         Each level's time and passes and each edge's outcome go into the sequences' stats, and
         to ``policy``: every worker call as a :class:`PassCost`, every sequence's step as a
         :class:`StepFeedback`. Nothing is committed: the caller cuts at EOS and appends. A failing
-        worker raises :class:`WorkerError` naming its level (``exc.level``).
+        worker raises :class:`WorkerError` naming its level (``exc.level``). A request with
+        provenance gets the step's :class:`StepProvenance` appended (uncut; the caller cuts it too).
         """
         records = [_StepRecord(s.stats) for s in group]
-        seqs = [_Seq(s, r, s.request.prompt_ids + s.generated, b) for s, r, b in zip(group, records, budgets)]
+        seqs = [_Seq(s, r, s.request.prompt_ids + s.generated, b, origins=None if s.provenance is None else [])
+                for s, r, b in zip(group, records, budgets)]
         blocks = self._extend(seqs, len(plan.path) - 1, plan, policy)
-        for state, record, (tokens, _) in zip(group, records, blocks):
+        for state, record, seq, (tokens, _) in zip(group, records, seqs, blocks):
             policy.observe(record.feedback(plan, len(tokens), state.seq_id))
+            if seq.origins is not None:
+                state.provenance.append(record.provenance(plan, tokens, seq.origins))
         return [tokens for tokens, _ in blocks]
 
     def _extend(self, seqs: list[_Seq], i: int, plan: StepPlan, policy: Policy) -> list[Block]:
@@ -264,6 +280,8 @@ class Engine:
 
         drafts = self._timed_call(level, seqs, policy, call, feeds)
         for s, d in zip(seqs, drafts):
+            if s.origins is not None:
+                s.origins = [level] * len(d.tokens)
             s.record.confidence.extend(d.confidence or [])
             s.record.draft_confidence = d.confidence if d.tokens else None
             s.record.stats.level(level).early_stops += d.stopped_early
@@ -278,7 +296,7 @@ class Engine:
         below = plan.path[i - 1] if i > 0 else None
         sampling, stop = self._sampling(seqs[0].state, level), plan.stop.get(level)
         while active := [s for s in seqs if not s.stopped and len(s.tokens) < s.budget]:
-            proposals = self._proposals(active, i, plan, policy)
+            proposals, origins = self._proposals(active, i, plan, policy)
             logits, target_probs = self._score(level, active, proposals, sampling, stop, policy)
             # Each sequence draws from its own generator, k + 1 uniforms, as it always has.
             uniforms = [torch.rand(len(tokens) + 1, generator=s.state.generator, dtype=torch.float64)
@@ -291,28 +309,34 @@ class Engine:
                     emitted = tokens[: verdict.accepted] + [verdict.next_token]
                 else:  # nothing proposed: the level sampled one token itself
                     emitted = [sampled[a]]
+                # accepted tokens keep the level that drafted them; the last is this level's own
+                origin = None if s.origins is None else origins[a][: len(emitted) - 1] + [level]
                 self._emit(s, level, emitted, target_probs[a], None if logits is None else logits[a],
-                           None if top else stop)
+                           None if top else stop, origin)
             if top:
                 break  # the authority commits after one verification
         return [s.block() for s in seqs]
 
-    def _proposals(self, seqs: list[_Seq], i: int, plan: StepPlan, policy: Policy) -> list[Block]:
+    def _proposals(self, seqs: list[_Seq], i: int, plan: StepPlan,
+                   policy: Policy) -> tuple[list[Block], list[list[str]]]:
         """This round's block from the level below ``plan.path[i]`` for each sequence (none for
-        the first level of the path)."""
+        the first level of the path), and (with provenance) the level each of its tokens came from."""
         proposals: list[Block] = [([], None)] * len(seqs)
+        origins: list[list[str]] = [[]] * len(seqs)
         if i == 0:
-            return proposals
+            return proposals, origins
         lookahead = plan.lookahead.get(plan.path[i - 1], 0)
         # Ask for at most budget-1-len(tokens): with the bonus token a fully accepted block then
         # lands exactly on the budget.
         wanted = [min(lookahead, s.budget - len(s.tokens) - 1) for s in seqs]
         need = [a for a, k in enumerate(wanted) if k > 0]
         if need:
-            got = self._extend([seqs[a].below(wanted[a]) for a in need], i - 1, plan, policy)
-            for a, block in zip(need, got):
+            below = [seqs[a].below(wanted[a]) for a in need]
+            got = self._extend(below, i - 1, plan, policy)
+            for a, block, b in zip(need, got, below):
                 proposals[a] = block
-        return proposals
+                origins[a] = b.origins or []
+        return proposals, origins
 
     def _score(self, level: str, seqs: list[_Seq], proposals: list[Block], sampling: Sampling,
                stop: StopRule | None, policy: Policy) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
@@ -349,12 +373,15 @@ class Engine:
 
     @staticmethod
     def _emit(s: _Seq, level: str, emitted: list[int], rows: torch.Tensor, logits: torch.Tensor | None,
-              stop: StopRule | None) -> None:
-        """Append a round's tokens to the sequence's block with the rows they were sampled from.
-        ``stop`` (never the authority's) may end the block after any of them short of the budget."""
+              stop: StopRule | None, origins: list[str] | None) -> None:
+        """Append a round's tokens to the sequence's block with the rows they were sampled from
+        (and, with provenance, their ``origins``). ``stop`` (never the authority's) may end the
+        block after any of them short of the budget."""
         for j, tok in enumerate(emitted):
             s.tokens.append(tok)
             s.rows.append(rows[j])
+            if origins is not None:
+                s.origins.append(origins[j])
             if stop is not None and len(s.tokens) < s.budget:
                 s.last = draft_step(len(s.tokens) - 1, logits[j], tok, previous=s.last)
                 if stop.should_stop(s.last):
@@ -410,6 +437,8 @@ class Batch:
         limit = request.max_new_tokens
         if self.engine.context_length is not None:
             limit = min(limit, self.engine.context_length - len(request.prompt_ids))
+        if state.policy is not None:  # a request's own policy plans for this graph too
+            self.engine.bind(state.policy)
         self._limits[state.seq_id] = limit
         self._started[state.seq_id] = time.perf_counter()
         self._available[state.seq_id] = set(self.engine.workers)
@@ -422,11 +451,11 @@ class Batch:
         self._retire()  # e.g. stopped by the caller on a stop string since the last step
         groups: dict[tuple, list[RequestState]] = {}
         for state in self.active:
-            key = (state.request.sampling, frozenset(self._available[state.seq_id]))
+            key = (state.request.sampling, frozenset(self._available[state.seq_id]), id(state.policy))
             groups.setdefault(key, []).append(state)
         committed: list[tuple[RequestState, list[int]]] = []
         try:
-            for (_, available), group in groups.items():
+            for (_, available, _), group in groups.items():
                 committed.extend(self._step_group(group, available))
         finally:
             self._retire()
@@ -434,12 +463,13 @@ class Batch:
 
     def _step_group(self, group: list[RequestState], available: frozenset[str]) -> list[tuple[RequestState, list[int]]]:
         engine = self.engine
+        policy = group[0].policy or self.policy  # the group shares one (see step)
         remaining = [self._limits[s.seq_id] - len(s.generated) for s in group]
         ctx = PlanContext(engine.graph, engine.authority, max(remaining), min(s.stats.steps for s in group),
                           available, batch_size=len(self.active))
-        plan = self.policy.plan(ctx)
+        plan = policy.plan(ctx)
         try:
-            outs = engine.step(group, plan, remaining, self.policy)
+            outs = engine.step(group, plan, remaining, policy)
         except WorkerError as exc:
             if not self._drop_level(exc, group):
                 for s in group:
@@ -456,6 +486,8 @@ class Batch:
             if tok in self.engine.eos_token_ids:
                 new = new[: j + 1]
                 state.finish_reason = "eos"
+                if state.provenance:  # the step's record loses what was cut too
+                    state.provenance[-1] = cut_provenance(state.provenance[-1:], len(new))[0]
                 break
         state.generated.extend(new)
         state.stats.new_tokens = len(state.generated)

@@ -13,6 +13,8 @@ import networkx as nx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 
+from cascade.serve.protocol import ApiError
+
 
 def add_routes(app: FastAPI) -> None:
     app.add_api_route("/", page, methods=["GET"], include_in_schema=False)
@@ -30,9 +32,9 @@ async def page(request: Request) -> HTMLResponse:
 
 async def topology(request: Request) -> dict[str, Any]:
     """The served topology as the page needs it: levels bottom up (the authority last)."""
-    from cascade.serve.app import _server  # (app imports this module)
-
-    server = _server(request)
+    server = request.app.state.server
+    if server is None:
+        raise ApiError(503, "the server is starting: no engine installed yet", type="service_unavailable")
     topo = server.cascade.topology
     graph = topo.graph
     order = {lv.name: i for i, lv in enumerate(topo.spec.levels)}

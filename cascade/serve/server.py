@@ -85,7 +85,7 @@ class Job:
 
     def new_steps(self) -> list[StepProvenance]:
         """The provenance of the steps not handed over yet (none without provenance)."""
-        steps = getattr(self.state, "provenance", None) or []  # TEMP
+        steps = self.state.provenance or []
         new, self.steps_sent = steps[self.steps_sent:], len(steps)
         return new
 
