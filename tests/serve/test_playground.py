@@ -51,7 +51,7 @@ def browser():
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1280,860", "--force-device-scale-factor=1"):
+                "--window-size=1280,900", "--force-device-scale-factor=1"):
         options.add_argument(arg)
     # the driver's path is given, so selenium-manager downloads nothing
     driver = webdriver.Chrome(service=Service(DRIVER), options=options)
