@@ -9,6 +9,9 @@
   body ``{"error": {"message", "type", "param", "code"}}``.
 - :mod:`cascade.serve.metrics` — Prometheus metrics under vLLM's names, ``cascade:`` prefix.
 - :mod:`cascade.serve.cli` — the ``serve`` subcommand.
+- :mod:`cascade.serve.playground` — ``GET /``: the playground page (``static/playground.html``),
+  tokens coloured by the level they came from; :mod:`cascade.serve.provenance` — the
+  ``return_provenance`` extension's JSON (each token's level and share of the text).
 
 Nothing is imported here, so that ``cascade --help`` stays cheap.
 """

@@ -6,7 +6,8 @@ replica) installs it there: ``app.state.server = Server(...)``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health`` (200, or 503 when the engine loop is not running or the authority is down) and
-``GET /metrics`` (Prometheus text). Streaming answers are server-sent events, one
+``GET /metrics`` (Prometheus text); ``GET /`` is the playground page
+(:mod:`cascade.serve.playground`). Streaming answers are server-sent events, one
 ``data: {json}`` chunk per engine step that committed text, then ``data: [DONE]``. Every
 error is ``{"error": {"message", "type", "param", "code"}}``; see :mod:`cascade.serve.protocol`
 for what is refused.
