@@ -10,6 +10,8 @@
 #
 # Defaults are a small run (the 2-core machine is shared); a full run:
 #   CONCS="1 4 16" TEMPS="0 0.8" REQUESTS_PER_CLIENT=4 MAX_TOKENS=128 examples/reports/serve/measure_serve.sh
+# The preliminary run in README: REQUESTS_PER_CLIENT=1 MAX_TOKENS=48 MAX_SECONDS=180 (then the
+# in-process step alone: SERVERS="" with the same MAX_TOKENS).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-examples/reports/serve}
@@ -17,7 +19,7 @@ CONCS=${CONCS:-"1 4 16"}
 TEMPS=${TEMPS:-"0 0.8"}
 REQUESTS_PER_CLIENT=${REQUESTS_PER_CLIENT:-2}   # requests per run = concurrency x this (at least 4)
 MAX_TOKENS=${MAX_TOKENS:-64}
-SERVERS=${SERVERS:-"cascade authority hf hf-cb"}
+SERVERS=${SERVERS-"cascade authority hf hf-cb"}   # set but empty: no server (the in-process step alone)
 PORT=${PORT:-8321}
 MAX_SECONDS=${MAX_SECONDS:-300}
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
@@ -70,8 +72,19 @@ for server in $SERVERS; do
   trap - EXIT
 done
 
+# In-process reference (greedy): Cascade.generate(batch_size=B) and plain batched generate at the
+# same concurrencies, the server's own cost being served ÷ in-process.
+if [[ ${INPROC:-1} == 1 ]]; then
+  echo "== in-process generate(batch_size=B)"
+  cascade bench --topology topologies/4level.yaml --prompts examples/prompts/heldout.jsonl \
+    --batch-sizes "${CONCS// /,}" --requests 16 --max-new-tokens "$MAX_TOKENS" --repeats 1 \
+    --out "$OUT/inproc" --no-progress 2>&1 | grep -v "Loading weights" > "$OUT/inproc.txt"
+fi
+
 runs=()  # in the order above: server, temperature, concurrency
 for server in $SERVERS; do for temp in $TEMPS; do for conc in $CONCS; do
   [[ -f "$OUT/runs/$server-c$conc-T$temp.json" ]] && runs+=("$OUT/runs/$server-c$conc-T$temp.json")
 done; done; done
-cascade bench-serve --table "${runs[@]}" --markdown "$OUT/table.md" --plot "$OUT/table.png"
+if (( ${#runs[@]} )); then
+  cascade bench-serve --table "${runs[@]}" --markdown "$OUT/table.md" --plot "$OUT/table.png"
+fi
