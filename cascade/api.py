@@ -129,6 +129,7 @@ class Cascade:
         stop: str | Sequence[str] | None = None,
         policy: str | Policy | None = None,
         batch_size: int = 1,
+        coupling: str | None = None,
         provenance: bool = False,
     ) -> Generation | list[Generation]:
         """Generate for one prompt (-> a :class:`Generation`) or a list (-> a list, in order).
@@ -144,7 +145,7 @@ class Cascade:
         it changes no token.
         """
         params = generation_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, seed=seed, stop=stop, batch_size=batch_size,
+                                   top_p=top_p, seed=seed, stop=stop, batch_size=batch_size, coupling=coupling,
                                    provenance=provenance)
         single, batch = normalize_prompts(prompts)
         pol = _policy_arg(policy, {}, "generate")
@@ -171,12 +172,13 @@ class Cascade:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         policy: str | Policy | None = None,
+        coupling: str | None = None,
     ) -> Iterator[str]:
         """Yield the text as it is committed. Text that could still become a stop string, or an
         incomplete UTF-8 character, is held back until it is settled. The arguments are checked
         here, before the first chunk is asked for."""
         params = generation_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, seed=seed, stop=stop)
+                                   top_p=top_p, seed=seed, stop=stop, coupling=coupling)
         prompt = normalize_prompt(prompt, "prompt")
         pol = _policy_arg(policy, {}, "stream")
         with self._lock:
@@ -208,13 +210,14 @@ class Cascade:
 
     def request(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float | None = None,
                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                provenance: bool = False, policy: str | Policy | None = None) -> RequestState:
+                coupling: str | None = None, provenance: bool = False,
+                policy: str | Policy | None = None) -> RequestState:
         """A validated request, ready to join a :meth:`batch` (``batch.add(state)``).
         ``provenance=True``: each step appends a :class:`StepProvenance` to
         ``state.provenance``. ``policy``: this request's own (it then steps apart from requests
         with another policy); unset, the batch's."""
         params = generation_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, seed=seed, provenance=provenance)
+                                   top_p=top_p, seed=seed, coupling=coupling, provenance=provenance)
         prompt = normalize_prompt(prompt, "prompt")
         pol = _policy_arg(policy, {}, "request", topology=self.topology)
         with self._lock:
@@ -294,6 +297,7 @@ class Cascade:
                 temperature=defaults.temperature if params.temperature is None else params.temperature,
                 top_k=defaults.top_k if params.top_k is None else params.top_k,
                 top_p=defaults.top_p if params.top_p is None else params.top_p,
+                coupling=defaults.coupling if params.coupling is None else params.coupling,
             )
         except ValidationError as exc:
             err = exc.errors()[0]

@@ -36,7 +36,7 @@ import torch
 from cascade.errors import RequestError, WorkerError
 from cascade.sampling import Sampling, SamplingOverride
 from cascade.stats import BlockOutcome, RequestStats, StepProvenance, cut_provenance
-from cascade.verify import verify_block
+from cascade.verify import Verdict, position_keys, verify_block, verify_block_keyed
 from policies.base import (DraftStep, EdgeOutcome, PassCost, PlanContext, Policy, PolicyError, StepFeedback,
                            StepPlan, StopRule, draft_step)
 from workers.base import Worker, common_prefix
@@ -72,6 +72,8 @@ class RequestState:
     # with request.provenance, one record per committed step (else None: nothing is recorded)
     provenance: list[StepProvenance] | None = None
     policy: Policy | None = None  # this request's own policy (None: its batch's)
+    seed: int = 0  # the request's seed (drawn when it had none): keys its positions' noise (coupling="gumbel")
+
     def fed(self, level: str, tokens: list[int], num_positions: int, cached_after: int) -> int:
         """Positions a call on ``level`` computes for this sequence: those of ``tokens`` past
         the level's cached prefix (at least ``num_positions``); then the level holds
@@ -193,6 +195,7 @@ class Engine:
             request=request,
             seq_id=uuid.uuid4().hex,
             generator=torch.Generator().manual_seed(seed),
+            seed=seed,
             stats=RequestStats(self.authority, prompt_tokens=len(request.prompt_ids)),
             provenance=[] if request.provenance else None,
         )
@@ -268,7 +271,7 @@ class Engine:
         for all sequences still drafting; ``stop`` may end a block early."""
         worker, sampling = self.workers[level], self._sampling(seqs[0].state, level)
         # A sequence's draws for the whole block come from its generator up front.
-        uniforms = [torch.rand(s.budget, generator=s.state.generator, dtype=torch.float64) for s in seqs]
+        uniforms = [_draws(s.state, sampling, len(s.prefix), s.budget) for s in seqs]
 
         def call():
             return worker.draft([s.state.seq_id for s in seqs], [s.prefix for s in seqs], [s.budget for s in seqs],
@@ -299,12 +302,12 @@ class Engine:
             proposals, origins = self._proposals(active, i, plan, policy)
             logits, target_probs = self._score(level, active, proposals, sampling, stop, policy)
             # Each sequence draws from its own generator, k + 1 uniforms, as it always has.
-            uniforms = [torch.rand(len(tokens) + 1, generator=s.state.generator, dtype=torch.float64)
+            uniforms = [_draws(s.state, sampling, len(s.prefix) + len(s.tokens), len(tokens) + 1)
                         for s, (tokens, _) in zip(active, proposals)]
             sampled = self._sample_unproposed(sampling, proposals, target_probs, uniforms)
             for a, (s, (tokens, draft_probs)) in enumerate(zip(active, proposals)):
                 if tokens:
-                    verdict = verify_block(tokens, draft_probs, target_probs[a], uniforms[a])
+                    verdict = _verdict(sampling, tokens, draft_probs, target_probs[a], uniforms[a])
                     s.record.edge(below, level, len(tokens), verdict.accepted)
                     emitted = tokens[: verdict.accepted] + [verdict.next_token]
                 else:  # nothing proposed: the level sampled one token itself
@@ -531,3 +534,21 @@ class Batch:
         for state in self.active:
             state.finish_reason = state.finish_reason or "cancelled"
         self._retire()
+
+
+def _draws(state: RequestState, sampling: Sampling, start: int, n: int) -> torch.Tensor:  # [n] float64
+    """A sequence's randomness for its positions ``start .. start + n - 1``: uniforms from its
+    generator, or (``coupling="gumbel"``) the positions' keys, which depend on the seed and the
+    position alone, so block boundaries cannot move them (cascade/verify.py)."""
+    if sampling.coupling == "gumbel":
+        return position_keys(state.seed, range(start, start + n))
+    return torch.rand(n, generator=state.generator, dtype=torch.float64)
+
+
+def _verdict(sampling: Sampling, tokens: list[int], draft_probs: torch.Tensor | None,
+             target_probs: torch.Tensor, draws: torch.Tensor) -> Verdict:  # [n, vocab], [n + 1, vocab], [n + 1]
+    """The speculative rule, or (``coupling="gumbel"``) keep drafts while they equal the level's
+    own keyed samples: either way the emitted tokens are exact samples of the level."""
+    if sampling.coupling == "gumbel":
+        return verify_block_keyed(tokens, sampling.draw(target_probs, draws).tolist())
+    return verify_block(tokens, draft_probs, target_probs, draws)

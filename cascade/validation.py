@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import Annotated, Any, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
 
@@ -87,6 +87,7 @@ class GenerationParams(BaseModel):
     top_p: OptFloat = Field(None, gt=0.0, le=1.0, description="1 = off.")
     seed: OptInt = Field(None, ge=0, lt=_SEED_LIMIT, description="Seeds the request's generator.")
     stop: Stops = Field(None, description="Stop strings.")
+    coupling: Literal["residual", "gumbel"] | None = Field(None, description="See cascade.sampling.Sampling.")
     batch_size: Int = Field(1, ge=1, description="Prompts in flight at once (generate only).")
     provenance: StrictBool = Field(False, description="Record each step's path, blocks and token origins.")
 

@@ -148,6 +148,14 @@ def test_identical_tokens_and_wire_cost(ray_cascade, local_cascade):
         sampled[0].stats.edges["medium->large"].proposed > 0
 
 
+def test_keyed_sampling_gives_the_same_tokens_under_ray(ray_cascade, local_cascade):
+    """coupling="gumbel": the position keys travel in the uniforms' place and the coupling in the
+    sampling tuple, so actors draw the same noise: the same tokens as in-process for each seed."""
+    kwargs = dict(max_new_tokens=16, temperature=0.8, top_p=0.95, seed=21, coupling="gumbel")
+    assert [g.token_ids for g in ray_cascade.generate(PROMPTS, **kwargs)] == \
+        [g.token_ids for g in local_cascade.generate(PROMPTS, **kwargs)]
+
+
 def test_bad_input_is_named_under_ray(ray_cascade, family, tmp_path):
     """Token ids outside the vocabulary are a RequestError before any actor is called (was a
     RayTaskError), and a corrupt model file read in an actor is a TopologyError naming the level

@@ -34,6 +34,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=types.nonnegative_int, default=None, help="0 = off")
     p.add_argument("--top-p", type=types.top_p, default=None, help="in (0, 1]; 1 = off")
     p.add_argument("--seed", type=types.seed, default=None)
+    p.add_argument("--coupling", choices=("residual", "gumbel"), default=None,
+                   help="gumbel: a seed gives the same tokens whatever the policy (default: the topology's)")
     p.add_argument("--stop", action="append", type=types.nonempty, default=None, help="stop string (repeatable)")
     p.add_argument("--policy", type=types.policy_spec, default=None,
                    help="NAME[:key=value,...], e.g. fixed:lookahead=4")
@@ -90,7 +92,7 @@ def generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     with load_cascade(args) as c:
         kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, seed=args.seed, stop=args.stop)
+                      top_p=args.top_p, seed=args.seed, stop=args.stop, coupling=args.coupling)
         if args.stream:
             for chunk in c.stream(prompt, **kwargs):
                 print(chunk, end="", flush=True)

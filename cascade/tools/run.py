@@ -86,7 +86,7 @@ def _generate_all(args, todo: list[tuple[int, int, str]], out_path: Path, total:
 
     policy = from_spec(args.policy) if args.policy else None
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, stop=args.stop)
+                  top_p=args.top_p, stop=args.stop, coupling=args.coupling)
     tokens = failed = 0
     with Cascade.from_topology(args.topology, policy=policy, device=args.device, backend=args.backend,
                                address=args.address) as c:

@@ -1,0 +1,128 @@
+"""Position-keyed randomness (``coupling="gumbel"``): exact, and the same tokens for a seed
+whatever the policy, path, lookahead or batch — under sampling, token for token.
+
+The distribution tests follow tests/test_distribution.py: ≥ 100k draws through the real engine
+over bigram-table workers, against the authority's distribution computed by enumeration, with a
+negative control (a rule that accepts every draft) failing the same bound.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import cascade.engine
+from cascade import Cascade
+from cascade.verify import Verdict, position_keys, sample_with_keys, verify_block_keyed
+from conftest import write_topology
+from stats_util import chi_square_pvalue, total_variation
+from test_distribution import PROMPT, exact_pairs, table_topology
+
+VOCAB = 6
+
+
+# -- the pure functions ---------------------------------------------------------------------------
+
+def test_keyed_samples_follow_the_distribution():
+    """200k keyed draws (one position each) from a row with a zero entry: exact frequencies."""
+    n = 200_000
+    probs = torch.tensor([0.45, 0.3, 0.0, 0.15, 0.1], dtype=torch.float64)
+    keys = position_keys(3, range(n))
+    tokens = sample_with_keys(probs.expand(n, -1), keys)
+    counts = Counter((int(t),) for t in tokens)
+    expected = {(v,): float(p) for v, p in enumerate(probs)}
+    stat, pvalue = chi_square_pvalue(counts, expected, n)
+    assert pvalue > 1e-4 and total_variation(counts, expected, n) < 0.005, (stat, pvalue)
+    # one row alone is the same draw as in a batch, and a key always gives the same noise
+    assert int(sample_with_keys(probs, keys[17])) == int(tokens[17])
+    assert torch.equal(position_keys(3, [5, 6]), position_keys(3, range(7))[5:])
+    assert not torch.equal(position_keys(3, [5]), position_keys(4, [5]))
+
+
+def test_keyed_verdicts():
+    assert verify_block_keyed([1, 2, 3], [1, 2, 3, 4]) == Verdict(3, 4, True)  # all kept, bonus
+    assert verify_block_keyed([1, 2, 3], [1, 5, 3, 4]) == Verdict(1, 5, False)  # the verifier's own token
+    assert verify_block_keyed([], [2]) == Verdict(0, 2, True)  # nothing proposed
+
+
+def test_the_same_noise_couples_levels():
+    """Two close distributions agree on most keyed draws: the coupling that makes acceptance."""
+    n = 20_000
+    draft = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64).expand(n, -1)
+    target = torch.tensor([0.45, 0.35, 0.2], dtype=torch.float64).expand(n, -1)
+    keys = position_keys(1, range(n))
+    agree = (sample_with_keys(draft, keys) == sample_with_keys(target, keys)).double().mean()
+    assert agree > 0.85  # total variation 0.05: Gumbel coupling agrees >= (1 - tv) / (1 + tv)
+
+
+# -- through the engine ------------------------------------------------------------------------------
+
+CASES = [  # depth, temperature, top_k, top_p, draft sampling override
+    (4, 0.8, 4, 0.9, None),
+    (2, 1.0, 0, 1.0, {"temperature": 0.0}),  # greedy drafts: still the authority's keyed samples
+]
+
+
+def draw_pairs(topology: str, n: int, seed: int, **sampling) -> Counter:
+    with Cascade.from_topology(topology) as c:
+        results = c.generate([PROMPT] * n, max_new_tokens=4, seed=seed, coupling="gumbel", **sampling)
+    return Counter(tuple(g.token_ids[:2]) for g in results)
+
+
+@pytest.mark.parametrize("depth,temperature,top_k,top_p,draft", CASES)
+def test_keyed_joint_distribution_is_exact(tmp_path, depth, temperature, top_k, top_p, draft):
+    n = 100_000
+    counts = draw_pairs(table_topology(tmp_path, depth, draft_sampling=draft), n, seed=depth,
+                        temperature=temperature, top_k=top_k, top_p=top_p)
+    expected = exact_pairs(depth, temperature, top_k, top_p)
+    stat, pvalue = chi_square_pvalue(counts, expected, n)
+    assert pvalue > 1e-4, (stat, pvalue, total_variation(counts, expected, n))
+    assert total_variation(counts, expected, n) < 0.012
+
+
+def _accept_every_draft(draft_tokens, target_tokens):
+    """A wrong rule: keep the whole block, whatever the verifier would have sampled."""
+    return Verdict(len(draft_tokens), int(target_tokens[len(draft_tokens)]), True)
+
+
+def test_wrong_keyed_rule_fails_the_same_bound(tmp_path, monkeypatch):
+    monkeypatch.setattr(cascade.engine, "verify_block_keyed", _accept_every_draft)
+    n = 30_000
+    counts = draw_pairs(table_topology(tmp_path, 2), n, seed=99, temperature=1.0)
+    _, pvalue = chi_square_pvalue(counts, exact_pairs(2, 1.0, 0, 1.0), n)
+    assert pvalue < 1e-9
+
+
+def _levels(names: list[str]) -> list[dict]:
+    seeds = {"tiny": 10, "small": 11, "medium": 12, "large": 13}  # large: the authority of every variant
+    return [{"name": n, "kind": "table_worker:TableWorker", "params": {"vocab_size": VOCAB, "seed": seeds[n]}}
+            for n in names]
+
+
+VARIANTS = [  # (levels, policy): the same authority, every other decision different
+    (["large"], {"name": "fixed"}),
+    (["small", "large"], {"name": "fixed", "params": {"lookahead": 1}}),
+    (["tiny", "small", "medium", "large"], {"name": "fixed", "params": {"lookahead": {"tiny": 2, "small": 3,
+                                                                                        "medium": 5}}}),
+    (["tiny", "small", "medium", "large"], {"name": "confidence", "params": {"lookahead": 6}}),
+    (["tiny", "small", "medium", "large"], {"name": "auto", "params": {"explore": 0.3}}),
+]
+
+
+def test_same_seed_same_tokens_whatever_the_policy_and_batch(tmp_path):
+    """The API table's promise, token for token under sampling: every variant and batch size
+    gives what the authority alone gives for each seed (and the default coupling does not)."""
+    prompts = [[i % VOCAB, (3 * i) % VOCAB] for i in range(24)]
+    outputs, residual = [], []
+    for v, (names, policy) in enumerate(VARIANTS):
+        path = write_topology(tmp_path / f"v{v}.yaml", {"levels": _levels(names), "policy": policy})
+        with Cascade.from_topology(path) as c:
+            for batch_size in (1, 5):
+                gs = c.generate(prompts, max_new_tokens=20, temperature=1.0, seed=40, coupling="gumbel",
+                                batch_size=batch_size)
+                outputs.append([g.token_ids for g in gs])
+            residual.append([g.token_ids for g in c.generate(prompts, max_new_tokens=20, temperature=1.0,
+                                                             seed=40)])
+    assert all(out == outputs[0] for out in outputs)
+    assert any(out != residual[0] for out in residual[1:])  # without it, block boundaries move the draws
