@@ -8,6 +8,9 @@
 # with `cascade bench-serve` (streaming, output tokens from the usage chunk). One server at a
 # time on a loopback port, started, measured at every load, stopped. OMP_NUM_THREADS=1 for all.
 #
+# The peer needs transformers' serving extras: pip install accelerate (and the `transformers
+# serve` command's own requirements, which it names when missing).
+#
 # Defaults are a small run (the 2-core machine is shared); a full run:
 #   CONCS="1 4 16" TEMPS="0 0.8" REQUESTS_PER_CLIENT=4 MAX_TOKENS=128 examples/reports/serve/measure_serve.sh
 # The preliminary run in README: REQUESTS_PER_CLIENT=1 MAX_TOKENS=48 MAX_SECONDS=180 (then the
