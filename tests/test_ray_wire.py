@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from cascade.errors import TopologyError
-from cascade.backends.ray import dense_nbytes, pack_rows, packed_nbytes, plan_bundles, unpack_rows
+from cascade.backends.ray import plan_bundles
+from cascade.backends.wire import dense_nbytes, pack_rows, packed_nbytes, unpack_rows
 from cascade.topology import load_topology, topology_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent

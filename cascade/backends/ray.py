@@ -12,7 +12,8 @@ actor keeps the last sequence it was sent; after a restart it asks for the whole
 and the actor answers with sampling rows, not logits: warping happens next to the model and only
 the nonzero entries travel, so a greedy row is one (index, value) pair. Verification needs
 exactly those rows (cascade/DESIGN.md §2); nothing is rounded, so results are bit-identical to the
-in-process backend. Messages are plain tuples of ints and bytes, which Ray pickles fastest.
+in-process backend. Messages are plain tuples of ints and bytes, which Ray pickles fastest
+(the format: :mod:`cascade.backends.wire`).
 A level with a stop rule gets logits instead (the rule reads the model's own distribution).
 
 Faults. Actors restart up to ``ray.max_restarts`` times and Ray re-runs the interrupted call on
@@ -36,86 +37,20 @@ from typing import Any, Sequence
 
 import torch
 
+from cascade.backends.wire import (Packed, WireStats, dense_nbytes, from_bytes, pack_rows, packed_nbytes, to_bytes,
+                                   unpack_rows)
 from cascade.build import Backend
 from cascade.errors import TopologyError, WorkerError
 from cascade.sampling import Sampling
 from cascade.topology import LevelSpec, Topology
 from policies.base import StopRule
-from workers.base import DTYPES, Draft, Worker, common_prefix
+from workers.base import Draft, Worker, common_prefix
 
 log = logging.getLogger(__name__)
 
 
-# -- wire format ---------------------------------------------------------------------------------
-
-# Plain tuples of bytes pickle several times faster than dataclasses of arrays (or pydantic
-# objects): measured here, that is a third of a call's round trip on a small CPU machine.
-Packed = tuple  # ("dense", n, vocab, dtype, data) | ("sparse", n, vocab, dtype, rows, cols, values)
-
-def pack_rows(t: torch.Tensor) -> Packed:  # t: [n, vocab]
-    """A ``[n, vocab]`` tensor for the wire: its raw bytes, or only its nonzero entries (row,
-    column, value) when that is smaller; a greedy row is one entry. Lossless (see unpack_rows)."""
-    t = t.detach().cpu().contiguous()
-    n, vocab = t.shape
-    dtype = str(t.dtype).removeprefix("torch.")
-    itemsize = t.element_size()
-    if dtype == "bfloat16":  # numpy has no bfloat16: ship the raw 16-bit words
-        return ("dense", n, vocab, dtype, t.view(torch.int16).numpy().tobytes())
-    nnz = int(torch.count_nonzero(t))
-    if nnz * (8 + itemsize) >= t.numel() * itemsize:
-        return ("dense", n, vocab, dtype, _bytes(t))
-    rows, cols = t.nonzero(as_tuple=True)
-    return ("sparse", n, vocab, dtype, _bytes(rows.to(torch.int32)), _bytes(cols.to(torch.int32)),
-            _bytes(t[rows, cols]))
-
-
-def unpack_rows(packed: Packed) -> torch.Tensor:  # [n, vocab], equal to the packed tensor
-    kind, n, vocab, dtype = packed[:4]
-    dt = DTYPES[dtype]
-    if kind == "dense":
-        if not packed[4]:
-            return torch.zeros(n, vocab, dtype=dt)
-        return _tensor(packed[4], dt).reshape(n, vocab)
-    out = torch.zeros(n, vocab, dtype=dt)
-    if packed[4]:
-        out[_tensor(packed[4], torch.int32).long(), _tensor(packed[5], torch.int32).long()] = _tensor(packed[6], dt)
-    return out
-
-
-def packed_nbytes(packed: Packed) -> int:
-    return sum(len(x) for x in packed[4:]) + 16
-
-
-def dense_nbytes(packed: Packed) -> int:
-    return packed[1] * packed[2] * DTYPES[packed[3]].itemsize
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().numpy().tobytes()
-
-
-def _tensor(data: bytes, dtype: torch.dtype) -> torch.Tensor:
-    # bytes are immutable; torch wants writable memory it can own
-    return torch.frombuffer(bytearray(data), dtype=dtype)
-
-
 def _sampling_tuple(sampling: Sampling) -> tuple[float, int, float, str]:
     return (sampling.temperature, sampling.top_k, sampling.top_p, sampling.coupling)
-
-
-@dataclass
-class WireStats:
-    """Payload bytes a :class:`RayWorker` moved (array bytes and 8 per scalar; Ray's framing excluded)."""
-
-    calls: int = 0
-    sent: int = 0
-    received: int = 0
-    resyncs: int = 0  # calls repeated with the whole sequence (a restarted actor)
-    rows_dense: int = 0  # what the rows received would have taken as dense tensors
-
-    @property
-    def total(self) -> int:
-        return self.sent + self.received
 
 
 # -- the actor -----------------------------------------------------------------------------------
@@ -225,7 +160,7 @@ class LevelActor:
         seqs = self._sequences(seq_ids, keeps, suffixes)
         if seqs is None:
             return None
-        uniforms = [_tensor(u, torch.float64) for u in uniforms]
+        uniforms = [from_bytes(u, torch.float64) for u in uniforms]
         drafts = self.worker.draft(seq_ids, seqs, max_tokens, self._sampling(sampling), uniforms, stop)
         # (tokens, packed rows, forward passes, any further fields of Draft by name)
         return [(d.tokens, pack_rows(d.probs), d.forward_passes,
@@ -269,7 +204,7 @@ class RayWorker(Worker):
 
     def draft(self, seq_ids, token_ids, max_tokens, sampling: Sampling, uniforms, stop: StopRule | None = None
               ) -> list[Draft]:
-        raw = [_bytes(u.to(torch.float64)) for u in uniforms]
+        raw = [to_bytes(u.to(torch.float64)) for u in uniforms]
         self.wire.sent += sum(len(u) for u in raw)
         answers = self._call_seqs("draft", seq_ids, token_ids, list(max_tokens), _sampling_tuple(sampling), raw,
                                   stop)

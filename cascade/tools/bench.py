@@ -42,7 +42,8 @@ from typing import Any, Callable
 
 from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
-from cascade.tools.bench_report import batch_markdown, write_report
+from cascade.tools.bench_batch import mode_label, run_batch_bench
+from cascade.tools.bench_report import write_report
 from cascade.tools.exactness import DistributionCheck
 from cascade.tools.repetition import LOOP_THRESHOLD, NGRAM, repetition
 
@@ -102,18 +103,6 @@ class ConfigReport:
         return not self.mismatches and (self.distribution is None or self.distribution.passed)
 
 
-def mode_label(sampling) -> str:
-    """``greedy``, or the sampling parameters that are on, e.g. ``T=0.8, top-p 0.95``."""
-    if sampling.greedy:
-        return "greedy"
-    parts = [f"T={sampling.temperature:g}"]
-    if sampling.top_p < 1:
-        parts.append(f"top-p {sampling.top_p:g}")
-    if sampling.top_k:
-        parts.append(f"top-k {sampling.top_k}")
-    return ", ".join(parts)
-
-
 def _median_ci(values: list[float], resamples: int = 5000, seed: int = 0) -> tuple[float, float]:
     """95% percentile-bootstrap interval of the median."""
     rng = random.Random(seed)
@@ -139,53 +128,94 @@ class _PassCounter:
 
 def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool = True) -> list[Config]:
     """The configurations of the module docstring, for this topology's levels."""
-    import torch
-
-    from cascade.api import Cascade
-    from cascade.tools.baselines import generate_kwargs, plain_generate
-    from cascade.topology import topology_from_dict
-    from policies import from_spec
-
     authority = topo.authority
-    auth_model = workers[authority].model
     hf_drafts = [lv.name for lv in topo.spec.levels if lv.kind == "hf" and lv.name != authority]
     ngram = next((lv.name for lv in topo.spec.levels if lv.kind == "ngram"), None)
-    fixed = topo.spec.policy.params.get("lookahead", {}) if topo.spec.policy.name == "fixed" else {}
+    make = _ConfigBuilder(topo, workers, tokenizer)
+    configs = [make.plain(), make.cascade("cascade:authority", (authority,), "fixed")]
+    if assisted:
+        for d in hf_drafts:
+            configs.append(make.hf(f"hf-assisted:{d}", (d, authority), assistant_model=workers[d].model))
+        configs.append(make.hf("hf-prompt-lookup", (authority,), prompt_lookup_num_tokens=prompt_lookup))
+    for d in hf_drafts:
+        path = (d, authority)
+        configs.append(make.cascade(f"cascade:{d}->{authority}", path, make.fixed_spec(path)))
+    for label, path in _multilevel_paths(hf_drafts, authority, ngram):
+        for policy in (make.fixed_spec(path), "auto"):
+            short = "fixed" if policy.startswith("fixed") else policy
+            configs.append(make.cascade(f"cascade:{label}:{short}", path, policy))
+    return configs
 
-    def hf_run(**kwargs):
+
+def _multilevel_paths(hf_drafts: list[str], authority: str, ngram: str | None) -> list[tuple[str, tuple[str, ...]]]:
+    """(label, path) of the configurations over three levels or more: the chain of every model
+    level, the chain without its second level, and the n-gram level below the whole chain."""
+    chain = tuple(hf_drafts) + (authority,)
+    paths: list[tuple[str, tuple[str, ...]]] = []
+    if len(chain) >= 4:
+        paths.append((f"{len(chain) - 1}level", chain[:1] + chain[2:]))  # skip the second level
+    if len(chain) >= 3:
+        paths.append((f"{len(chain)}level", chain))
+    if ngram and len(chain) >= 2:
+        paths.append((f"{len(chain)}level+ngram", (ngram,) + chain))
+    return paths
+
+
+class _ConfigBuilder:
+    """Configurations over one topology's loaded workers: plain and transformers' decoding of the
+    authority, and cascades over a path of levels (one ``Cascade`` per path, shared by the
+    configurations on that path: each run passes its own policy)."""
+
+    def __init__(self, topo, workers, tokenizer):
+        self.topo, self.workers, self.tokenizer = topo, workers, tokenizer
+        self.auth_model = workers[topo.authority].model
+        policy = topo.spec.policy
+        self.lookahead = policy.params.get("lookahead", {}) if policy.name == "fixed" else {}
+        self.cascades: dict[tuple[str, ...], Any] = {}  # path -> cascade.api.Cascade
+
+    def plain(self) -> Config:
+        import torch
+
+        from cascade.tools.baselines import generate_kwargs, plain_generate
+
+        model = self.auth_model
+
+        def run(ids, n, sampling, seed):
+            new, secs = plain_generate(model, ids, n, sampling, seed)
+            return new, secs, None
+
+        def draw(ids, n, sampling, seed, count):
+            t = torch.tensor([ids])
+            torch.manual_seed(seed)
+            with torch.inference_mode():
+                out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n,
+                                     num_return_sequences=count, **generate_kwargs(sampling))
+            return out[:, len(ids):].tolist()
+        return Config("plain", "plain", (self.topo.authority,), run=run, draw=draw)
+
+    def hf(self, name: str, path: tuple[str, ...], **kwargs) -> Config:
+        """transformers ``generate`` of the authority with ``kwargs`` (an assistant model, prompt lookup)."""
+        import torch
+
+        from cascade.tools.baselines import generate_kwargs
+
+        model = self.auth_model
+
         def run(ids: list[int], n: int, sampling, seed: int):
             t = torch.tensor([ids])
             torch.manual_seed(seed)  # transformers samples from torch's global generator
             t0 = time.perf_counter()
             with torch.inference_mode():
-                out = auth_model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n,
-                                          **generate_kwargs(sampling), **kwargs)
+                out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n,
+                                     **generate_kwargs(sampling), **kwargs)
             return out[0, len(ids):].tolist(), time.perf_counter() - t0, None
-        return run
+        return Config(name, "hf", path, run=run)
 
-    def plain(ids, n, sampling, seed):
-        new, secs = plain_generate(auth_model, ids, n, sampling, seed)
-        return new, secs, None
+    def cascade(self, name: str, path: tuple[str, ...], policy_spec: str) -> Config:
+        """The levels of ``path`` with the chain's edges and every topology edge between them."""
+        from policies import from_spec
 
-    def plain_draw(ids, n, sampling, seed, count):
-        t = torch.tensor([ids])
-        torch.manual_seed(seed)
-        with torch.inference_mode():
-            out = auth_model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n,
-                                      num_return_sequences=count, **generate_kwargs(sampling))
-        return out[:, len(ids):].tolist()
-
-    cascades: dict[tuple[str, ...], Cascade] = {}
-
-    def cascade_config(name: str, path: tuple[str, ...], policy_spec: str) -> Config:
-        if path not in cascades:
-            levels = [topo.spec.level(n).model_dump() for n in path]
-            chain = list(zip(path, path[1:]))
-            edges = [list(e) for e in chain + [e for e in topo.graph.subgraph(path).edges if e not in chain]]
-            sub = topology_from_dict({"levels": levels, "edges": edges}, topo.source, topo.base_dir,
-                                     check_models=False)
-            cascades[path] = Cascade(sub, {n: workers[n] for n in path}, tokenizer, from_spec("fixed"))
-        c = cascades[path]
+        c = self._cascade(path)
         policy = from_spec(policy_spec)
 
         def run(ids: list[int], n: int, sampling, seed: int):
@@ -200,34 +230,25 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
             return [g.token_ids for g in gs]
         return Config(name, "cascade", path, policy_spec, run, c.topology.graph, draw)
 
-    def fixed_spec(path: tuple[str, ...]) -> str:
-        defaults = {n: fixed.get(n, 3 + 2 * i) for i, n in enumerate(path[:-1])}
-        return "fixed:lookahead={" + ", ".join(f"{k}: {v}" for k, v in defaults.items()) + "}"
+    def _cascade(self, path: tuple[str, ...]):
+        from cascade.api import Cascade
+        from cascade.topology import topology_from_dict
+        from policies import from_spec
 
-    configs = [Config("plain", "plain", (authority,), run=plain, draw=plain_draw)]
-    configs.append(cascade_config("cascade:authority", (authority,), "fixed"))
-    if assisted:
-        for d in hf_drafts:
-            configs.append(Config(f"hf-assisted:{d}", "hf", (d, authority),
-                                  run=hf_run(assistant_model=workers[d].model)))
-        configs.append(Config("hf-prompt-lookup", "hf", (authority,),
-                              run=hf_run(prompt_lookup_num_tokens=prompt_lookup)))
-    for d in hf_drafts:
-        path = (d, authority)
-        configs.append(cascade_config(f"cascade:{d}->{authority}", path, fixed_spec(path)))
-    chain = tuple(hf_drafts) + (authority,)
-    paths: list[tuple[str, str]] = []
-    if len(chain) >= 4:
-        paths.append((f"{len(chain) - 1}level", chain[:1] + chain[2:]))  # skip the second level
-    if len(chain) >= 3:
-        paths.append((f"{len(chain)}level", chain))
-    if ngram and len(chain) >= 2:
-        paths.append((f"{len(chain)}level+ngram", (ngram,) + chain))
-    for label, path in paths:
-        for policy in (fixed_spec(path), "auto"):
-            short = "fixed" if policy.startswith("fixed") else policy
-            configs.append(cascade_config(f"cascade:{label}:{short}", path, policy))
-    return configs
+        if path not in self.cascades:
+            topo = self.topo
+            levels = [topo.spec.level(n).model_dump() for n in path]
+            chain = list(zip(path, path[1:]))
+            edges = [list(e) for e in chain + [e for e in topo.graph.subgraph(path).edges if e not in chain]]
+            sub = topology_from_dict({"levels": levels, "edges": edges}, topo.source, topo.base_dir,
+                                     check_models=False)
+            self.cascades[path] = Cascade(sub, {n: self.workers[n] for n in path}, self.tokenizer, from_spec("fixed"))
+        return self.cascades[path]
+
+    def fixed_spec(self, path: tuple[str, ...]) -> str:
+        """``fixed`` with the topology's lookahead per level of ``path``, else 3, 5, 7, ... up the path."""
+        defaults = {n: self.lookahead.get(n, 3 + 2 * i) for i, n in enumerate(path[:-1])}
+        return "fixed:lookahead={" + ", ".join(f"{k}: {v}" for k, v in defaults.items()) + "}"
 
 
 def predicted_seconds_per_token(path: tuple[str, ...], stats, max_lookahead: int = 8) -> float | None:
@@ -440,139 +461,6 @@ def _cascade_fields(rep: ConfigReport, c: Config, xs: list[Sample], plain_spt: f
         rep.predicted_path = list(path)
         rep.predicted_speedup = plain_spt / predicted
         rep.measured_over_predicted = (plain_spt / (wall / tokens)) / rep.predicted_speedup
-
-
-def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], max_new_tokens: int = 128,
-                    policy: str | None = None, out: str | Path | None = None, progress: bool = True,
-                    requests: int = 32, repeats: int = 1, sampling=None, seed: int = 0,
-                    exactness_draws: int = 300, exactness_tokens: int = 2) -> tuple[list[dict], DistributionCheck | None]:
-    """Throughput under load: at each concurrency B, the same ``max(requests, B)`` requests
-    (the prompts, cycled) are served B at a time, by plain batched decoding of the authority
-    (transformers ``generate`` with left padding, in batches of B) and by the cascade
-    (``generate(..., batch_size=B)``: continuous batching, a finished request's place goes to
-    the next), alternating which goes first, ``repeats`` times, after an untimed cascade run
-    at that concurrency (one policy instance lives through the whole bench, as in a server).
-    Reports total tokens/s and mean per-request latency of each, the ratio of throughputs
-    (median over repeats, with its range), and the median repetition of each side's texts.
-    ``sampling`` (a :class:`cascade.sampling.Sampling`; default greedy) applies to both sides;
-    each batch is seeded from ``seed``. Sampled, the batched cascade's first tokens are checked
-    against plain sampling's distribution (:mod:`cascade.tools.exactness`; ``exactness_draws``
-    rows at the largest batch size); returns (rows, that check or None)."""
-    import statistics
-
-    import torch
-    from tqdm import tqdm
-
-    from cascade.api import Cascade
-    from cascade.sampling import Sampling
-    from cascade.tools.baselines import generate_kwargs
-    from policies import from_spec
-
-    sampling = sampling or Sampling()
-    rows = []
-    with Cascade.from_topology(topology) as c:
-        model = c.workers[c.topology.authority].model
-        tok = c.tokenizer
-        eos = tok.eos_token_id
-        pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-        pol = from_spec(policy) if policy else None
-
-        def plain(batch: list[str], size: int) -> tuple[int, float, float, list[float]]:
-            """(tokens, seconds, mean latency per request, repetition per request) serving ``batch`` in
-            batches of ``size``; a request's latency is its batch's time (time waiting for a slot is not
-            counted)."""
-            tokens, seconds, latency, reps = 0, 0.0, 0.0, []
-            for i in range(0, len(batch), size):
-                enc = [tok.encode(p) for p in batch[i:i + size]]
-                width = max(len(e) for e in enc)
-                ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
-                mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
-                torch.manual_seed(seed + i)
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    out_ids = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                             pad_token_id=pad, **generate_kwargs(sampling))
-                spent = time.perf_counter() - t0
-                for row in out_ids[:, width:].tolist():  # up to and with the first EOS
-                    row = row[:row.index(eos) + 1] if eos in row else row
-                    tokens += len(row)
-                    reps.append(repetition(row))
-                seconds += spent
-                latency += spent * len(enc)
-            return tokens, seconds, latency / len(batch), reps
-
-        def cascade(batch: list[str], size: int) -> tuple[int, float, float, list[float]]:
-            t0 = time.perf_counter()
-            gs = c.generate(batch, max_new_tokens=max_new_tokens, temperature=sampling.temperature,
-                            top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, batch_size=size, policy=pol)
-            seconds = time.perf_counter() - t0
-            # a request's latency runs from when it joined the batch to its end
-            return (sum(len(g.token_ids) for g in gs), seconds, statistics.fmean(g.stats.wall_seconds for g in gs),
-                    [repetition(g.token_ids) for g in gs])
-
-        plain(prompts[:2], 2)
-        cascade(prompts[:2], 2)  # warm-up
-        bar = tqdm(total=len(batch_sizes) * repeats, desc="batch sizes", disable=not progress, file=sys.stderr)
-        for i, size in enumerate(batch_sizes):
-            batch = [prompts[j % len(prompts)] for j in range(max(requests, size))]
-            # a serving policy lives on: let it learn this batch size (costs, paths) untimed first
-            cascade(batch[:size], size)
-            runs: dict[str, list[tuple[int, float, float, list[float]]]] = {"plain": [], "cascade": []}
-            for r in range(repeats):
-                for name in (("plain", "cascade") if (i + r) % 2 == 0 else ("cascade", "plain")):
-                    runs[name].append((plain if name == "plain" else cascade)(batch, size))
-                bar.update()
-            ratios = [(ct / cs) / (pt / ps) for (pt, ps, *_), (ct, cs, *_) in zip(runs["plain"], runs["cascade"])]
-            row = {"batch_size": size, "requests": len(batch), "repeats": repeats, "mode": mode_label(sampling),
-                   "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                   "ratios": ratios}
-            for name, xs in runs.items():
-                row[f"{name}_tokens_per_second"] = statistics.median(t / s for t, s, _, _ in xs)
-                row[f"{name}_latency_s"] = statistics.median(lat for _, _, lat, _ in xs)
-                row[f"{name}_repetition"] = statistics.median(x for *_, reps in xs for x in reps)
-            rows.append(row)
-        bar.close()
-        check = None
-        if not sampling.greedy and exactness_draws:
-            check = _batch_distribution_check(c, pol, prompts, sampling, seed, exactness_draws, exactness_tokens,
-                                              max(batch_sizes))
-    if out is not None:
-        from dataclasses import asdict
-
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "batch.json").write_text(json.dumps({"topology": topology, "max_new_tokens": max_new_tokens,
-                                                    "policy": policy, "requests": requests, "repeats": repeats,
-                                                    "sampling": sampling.model_dump(), "seed": seed, "rows": rows,
-                                                    "distribution": check and asdict(check) | {"passed": check.passed}},
-                                                   indent=1))
-        (out / "batch.md").write_text(batch_markdown(rows, topology, max_new_tokens, mode_label(sampling), check))
-    return rows, check
-
-
-def _batch_distribution_check(c, policy, prompts: list[str], sampling, seed: int, draws: int, tokens: int,
-                              batch_size: int) -> DistributionCheck:
-    """The batched cascade (``batch_size`` rows at a time, the serving policy) against plain
-    sampling of the authority, on the short prompt prefix whose next token is most uncertain."""
-    import torch
-
-    from cascade.tools.baselines import generate_kwargs
-    from cascade.tools.exactness import check_distribution, uncertain_prefix
-
-    model = c.workers[c.topology.authority].model
-    ids = [c.tokenizer.encode(p) for p in prompts]
-    prompt, length = uncertain_prefix(model, ids, sampling)
-    prefix = ids[prompt][:length]
-    t = torch.tensor([prefix])
-    torch.manual_seed(seed)
-    with torch.inference_mode():
-        out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=tokens, num_return_sequences=draws,
-                             **generate_kwargs(sampling))
-    reference = out[:, len(prefix):].tolist()
-    gs = c.generate([prefix] * draws, max_new_tokens=tokens, temperature=sampling.temperature, top_k=sampling.top_k,
-                    top_p=sampling.top_p, seed=seed + 1, batch_size=batch_size, policy=policy)
-    return check_distribution(f"cascade, batch size {batch_size}", reference, [g.token_ids for g in gs], tokens,
-                              c.tokenizer.eos_token_id, (prompt, length))
 
 
 def add_parser(sub) -> None:

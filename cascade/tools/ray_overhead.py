@@ -22,7 +22,7 @@ import sys
 import time
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cascade.tools.ray_overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", "-t", default="topologies/4level.yaml")
     p.add_argument("--prompts", default="examples/prompts/heldout.jsonl")
@@ -39,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="write a random family with the bundled shapes to DIR and measure on it")
     p.add_argument("--drafts", choices=("independent", "truncated"), default="truncated")
     p.add_argument("--tokenizer", default="examples/models/large", help="tokenizer for --random-family")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.random_family:
         args.topology = str(write_random_family(args.random_family, args.tokenizer, args.drafts))
 
