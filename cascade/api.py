@@ -7,7 +7,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from pydantic import ValidationError
 
@@ -155,7 +155,7 @@ class Cascade:
                                   "prompts" if single else f"prompts[{i}]")
                       for i, p in enumerate(batch)]
             if params.stop:
-                self._need_tokenizer()
+                self.require_tokenizer()
             if params.batch_size > 1 and len(batch) > 1:
                 results = self._generate_batched(batch, states, params, pol)
             else:
@@ -183,30 +183,28 @@ class Cascade:
         pol = _policy_arg(policy, {}, "stream")
         with self._lock:
             self._check_open()
-            self._need_tokenizer()
+            self.require_tokenizer()
             state = self._start(prompt, params, params.seed, "prompt")
         return self._stream(state, list(params.stop or ()), pol)
 
     def _stream(self, state: RequestState, stops: list[str], policy: Policy | None) -> Iterator[str]:
-        steps = self._run(state, stops, policy)
-        sent = 0
+        text = TextStream(self.tokenizer, stops)
+        steps = self._run(state, text, policy)
         try:
             while True:
                 with self._lock:  # one step at a time: other threads' calls interleave between steps
                     self._check_open()
-                    if next(steps, None) is None:
-                        break
-                text = self._text(state.generated, stops)
-                safe = len(text) if state.finish_reason else _settled(text, stops)
-                if safe > sent:
-                    yield text[sent:safe]
-                    sent = safe
+                    piece = next(steps, None)
+                if piece is None:
+                    break
+                if piece:
+                    yield piece
         finally:
             with self._lock:
                 steps.close()  # releases the request's caches
-        text = self._text(state.generated, stops)
-        if len(text) > sent:
-            yield text[sent:]
+        rest = text.finish()
+        if rest:
+            yield rest
 
     def request(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float | None = None,
                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -237,20 +235,42 @@ class Cascade:
             self._check_open()
             return _SerialBatch(self, pol)
 
-    def result(self, state: RequestState, prompt: Prompt | None = None) -> Generation:
-        """The :class:`Generation` of a finished request (one that has left its batch)."""
+    def result(self, state: RequestState, prompt: Prompt | None = None,
+               stop: str | Sequence[str] | None = None) -> Generation:
+        """The :class:`Generation` of a finished request (one that has left its batch).
+        ``prompt``: what to report as its prompt (default: its token ids). ``stop``: the stop
+        strings it ran with: its text is cut before the first, and with ``finish_reason="stop"``
+        its tokens after the one that completed it are dropped (as ``generate`` does)."""
         if not isinstance(state, RequestState):
             raise RequestError(f"state: expected a RequestState from Cascade.request (got {type(state).__name__})")
         if state.finish_reason is None:
             raise RequestError("state: the request has not finished: it never ran or is still in a batch "
                                f"(got {len(state.generated)} tokens so far); step its batch until it leaves")
-        return self._result(prompt if prompt is not None else state.request.prompt_ids, state, None)
+        stops = _stop_list(stop)
+        if stops:
+            self.require_tokenizer()
+        return self._result(prompt if prompt is not None else state.request.prompt_ids, state, stops)
+
+    def text_stream(self, stop: str | Sequence[str] | None = None) -> "TextStream":
+        """A :class:`TextStream` for one request's tokens: feed it each step's tokens, it returns
+        the text they settle and tells when a stop string has appeared (``stopped``). What
+        :meth:`stream` and the HTTP server use. Stop strings need a tokenizer."""
+        stops = _stop_list(stop)
+        if stops:
+            self.require_tokenizer()
+        return TextStream(self.tokenizer, stops)
+
+    def require_tokenizer(self):
+        """The tokenizer; a :class:`RequestError` (naming ``prompt``) when the topology has none."""
+        if self.tokenizer is None:
+            raise RequestError("prompt: this topology has no tokenizer; pass token ids instead of text")
+        return self.tokenizer
 
     def _generate_each(self, prompts, states, params: GenerationParams, policy, single: bool) -> list[Generation]:
         results: list[Generation] = []
         for prompt, state in zip(prompts, states):
             try:
-                for _ in self._run(state, params.stop, policy):
+                for _ in self._run(state, TextStream(self.tokenizer, params.stop) if params.stop else None, policy):
                     pass
             except WorkerError as exc:
                 # The authority is down: hand back what was committed, as results.
@@ -267,13 +287,16 @@ class Cascade:
         stops = list(params.stop or ())
         batch = Batch(self.engine, policy)
         waiting = list(states)
+        texts = {state.seq_id: TextStream(self.tokenizer, stops) for state in states} if stops else {}
         try:
             while waiting or batch.active:
                 while waiting and len(batch.active) < params.batch_size:
                     batch.add(waiting.pop(0))
-                for state, _ in batch.step():
-                    if stops and state.finish_reason is None and any(s in self._decode(state.generated) for s in stops):
-                        state.finish_reason = "stop"
+                for state, new in batch.step():
+                    if stops and state.finish_reason is None:
+                        texts[state.seq_id].add(new)
+                        if texts[state.seq_id].stopped:
+                            state.finish_reason = "stop"
         except WorkerError as exc:
             for state in waiting:
                 state.finish_reason = "cancelled"
@@ -303,7 +326,7 @@ class Cascade:
             err = exc.errors()[0]
             raise RequestError(f"{err['loc'][0]}: {err['msg']} (got {err.get('input')!r})") from None
         if isinstance(prompt, str):
-            ids = self._need_tokenizer().encode(prompt, add_special_tokens=False)
+            ids = self.require_tokenizer().encode(prompt, add_special_tokens=False)
             if not ids:
                 raise RequestError(f"{where}: the text encodes to no tokens (got {prompt!r})")
         else:
@@ -319,16 +342,19 @@ class Cascade:
         worker = self.engine.workers.get(self.topology.authority)
         return getattr(worker, "vocab_size", None)
 
-    def _run(self, state: RequestState, stop, policy: Policy | None) -> Iterator[list[int]]:
-        stops = _stop_list(stop)
-        if stops:
-            self._need_tokenizer()
+    def _run(self, state: RequestState, text: TextStream | None, policy: Policy | None) -> Iterator[str]:
+        """Step ``state`` to its end, yielding per step the text ``text`` settles ("" without
+        one); a stop string that appears in it ends the request."""
         for new in self.engine.run(state, policy):
-            if stops and any(s in self._decode(state.generated) for s in stops):
-                state.finish_reason = "stop"
-                yield new
+            if text is None:
+                yield ""
+                continue
+            piece = text.add(new, final=state.finish_reason is not None)
+            if text.stopped:
+                state.finish_reason = "stop"  # wins over the reason the step gave
+                yield piece
                 return
-            yield new
+            yield piece
 
     def _result(self, prompt: Prompt, state: RequestState, stop) -> Generation:
         stops = _stop_list(stop)
@@ -349,11 +375,6 @@ class Cascade:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _need_tokenizer(self):
-        if self.tokenizer is None:
-            raise RequestError("prompt: this topology has no tokenizer; pass token ids instead of text")
-        return self.tokenizer
 
     def close(self) -> None:
         """Close the workers and what they run on. Idempotent; later calls raise ClosedError."""
@@ -422,6 +443,82 @@ def _settled(text: str, stops: list[str]) -> int:
                 end -= k
                 break
     return end
+
+
+class TextStream:
+    """A request's text as its tokens come, decoded incrementally (one per request).
+
+    ``add(tokens)`` returns the text that is now settled: appended to what earlier calls
+    returned, it is a prefix of the text of all the tokens so far, cut before the first stop
+    string; text that may still become a stop string, or an incomplete UTF-8 character, is held
+    back. ``add(tokens, final=True)`` (or ``finish()``) returns the rest. Once :attr:`stopped`,
+    the text is complete: later tokens add nothing.
+
+    Each call costs what its new tokens cost, not what came before: the tokenizer decodes only
+    a window ``ids[prefix:]``, where ``ids[prefix:read]`` is text already taken (the usual
+    prefix/read offsets; the window starts where an earlier window ended on a whole character,
+    so a decoder that treats a sequence's first token apart treats it the same in both
+    decodes), and stop strings are looked for in the new text and the tail before it. The
+    concatenation equals decoding all the tokens at once (``skip_special_tokens=True``).
+    Without a tokenizer the text is empty.
+    """
+
+    def __init__(self, tokenizer, stops: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stops = list(stops)
+        self.stopped = False  # a stop string has appeared: the text ends before it
+        self._ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] decode to the last text taken; both lie on whole characters
+        self._read = 0
+        # the text taken so far, from character _base on: enough of what was handed out for a
+        # stop string to straddle it and for _settled to see all it looks at
+        self._text = ""
+        self._base = 0
+        self._sent = 0  # characters handed out
+        longest = max((len(s) for s in self.stops), default=0)
+        self._keep = longest + sum(len(s) - 1 for s in self.stops)
+
+    def add(self, tokens: Iterable[int], final: bool = False) -> str:
+        """The text ``tokens`` settle; ``final``: no more tokens come, so all the rest."""
+        if self.stopped or self.tokenizer is None:
+            return ""
+        self._ids.extend(tokens)
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        window = self._decode(self._ids[self._prefix:])
+        if not window.startswith(prefix_text):  # a decoder that rewrites earlier text: decode it all
+            self._prefix, prefix_text, window = 0, self._decode(self._ids[:self._read]), self._decode(self._ids)
+            if not window.startswith(prefix_text):
+                raise RuntimeError("TextStream: the tokenizer's decoding of a longer sequence does not extend "
+                                   "that of its prefix; decode the whole sequence instead")
+        new = window[len(prefix_text):]
+        taken = len(self._text)
+        text = self._text + new
+        cut = self._find_stop(text, max(0, taken - self._keep))
+        if cut >= 0:
+            text, self.stopped = text[:cut], True
+        if self.stopped or final or (new and not new.endswith("\ufffd")):
+            # taken: the window ends on a whole character (or nothing follows)
+            self._text, self._prefix, self._read = text, self._read, len(self._ids)
+        end = len(text) if self.stopped or final else _settled(text, self.stops)
+        start = self._sent - self._base
+        out = text[start:end] if end > start else ""
+        self._sent += len(out)
+        # drop what no later call looks at (the settled part before the stop-string tail)
+        drop = max(0, min(self._sent - self._base, len(self._text)) - self._keep)
+        self._text, self._base = self._text[drop:], self._base + drop
+        return out
+
+    def finish(self) -> str:
+        """The rest of the text (no more tokens come)."""
+        return self.add((), final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def _find_stop(self, text: str, start: int) -> int:
+        """Where the first stop string in ``text[start:]`` starts (absolute in ``text``), or -1."""
+        found = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        return min(found, default=-1)
 
 
 class _SerialBatch(Batch):

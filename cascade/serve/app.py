@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from cascade.api import _settled
 from cascade.errors import RequestError
 from cascade.serve import playground
 from cascade.serve import protocol as proto
@@ -186,31 +185,26 @@ async def _last_update(request: Request, server: Server, job: Job):
 
 async def _sse(server: Server, req, job: Job, rid: str, chat: bool) -> AsyncIterator[str]:
     """The stream: a chunk per step that committed text (held back, as ``Cascade.stream``
-    does, while it may still become a stop string or is an incomplete UTF-8 character)."""
-    cascade, model = server.cascade, server.model_name
-    ids: list[int] = []
-    sent = 0
-    pieces = TokenPieces(cascade, job.stops) if req.return_provenance else None
+    does, while it may still become a stop string or is an incomplete UTF-8 character: the
+    engine thread decodes it, :attr:`Update.text`)."""
+    model = server.model_name
+    pieces = TokenPieces(server.cascade, job.stops) if req.return_provenance else None
     if chat:  # OpenAI's first chat chunk announces the role
         yield _event(proto.envelope(rid, model, chat, True, [proto.choice(chat, True, "", None, first=True)]))
     async for update in job.updates():
-        ids.extend(update.tokens)
-        text = cascade._text(ids, job.stops)
-        safe = len(text) if update.finish_reason else _settled(text, job.stops)
         # with provenance, every step gets a chunk (its text may be held back: then empty)
         steps = None if pieces is None else step_dicts(update.steps, pieces, final=update.finish_reason is not None)
         if update.error is not None:
-            if safe > sent or steps:
+            if update.text or steps:
                 yield _event(_provenance(steps, proto.envelope(rid, model, chat, True,
-                                                               [proto.choice(chat, True, text[sent:safe], None)])))
+                                                               [proto.choice(chat, True, update.text, None)])))
             yield _event(proto.ApiError(500, f"generation failed: {update.error}", type="worker_error").body())
             break
         if update.finish_reason is not None:
-            yield _event(_provenance(steps, _last_chunk(req, rid, model, chat, text[sent:], update)))
-        elif safe > sent or steps:
+            yield _event(_provenance(steps, _last_chunk(req, rid, model, chat, update.text, update)))
+        elif update.text or steps:
             yield _event(_provenance(steps, proto.envelope(rid, model, chat, True,
-                                                           [proto.choice(chat, True, text[sent:safe], None)])))
-            sent = safe
+                                                           [proto.choice(chat, True, update.text, None)])))
     else:
         if req.include_usage:
             tokens = len(update.generation.token_ids)

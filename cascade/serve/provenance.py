@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from cascade.api import Cascade, _settled
+from cascade.api import Cascade
 from cascade.stats import StepProvenance
 
 
@@ -20,22 +20,12 @@ class TokenPieces:
     """Splits a request's text among its tokens as they are committed (one per request)."""
 
     def __init__(self, cascade: Cascade, stops: list[str]):
-        self.cascade = cascade
-        self.stops = stops
-        self.ids: list[int] = []
-        self.end = 0  # characters of the text handed out so far
+        self.text = cascade.text_stream(stops)  # incremental: a token costs its own decoding
 
     def add(self, tokens: Iterable[int], final: bool = False) -> list[str]:
         """The text pieces of ``tokens``; with ``final`` the last one takes the rest of the text."""
         tokens = list(tokens)
-        pieces = []
-        for j, tok in enumerate(tokens):
-            self.ids.append(tok)
-            text = self.cascade._text(self.ids, self.stops)
-            end = len(text) if final and j == len(tokens) - 1 else max(self.end, _settled(text, self.stops))
-            pieces.append(text[self.end:end])
-            self.end = end
-        return pieces
+        return [self.text.add((tok,), final=final and j == len(tokens) - 1) for j, tok in enumerate(tokens)]
 
 
 def step_dicts(steps: Iterable[StepProvenance], pieces: TokenPieces, final: bool = False) -> list[dict[str, Any]]:

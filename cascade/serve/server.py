@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-from cascade.api import Cascade, Generation, _stop_list
+from cascade.api import Cascade, Generation, TextStream
 from cascade.engine import RequestState
 from cascade.errors import RequestError, WorkerError
 from cascade.serve.metrics import Metrics, RecordingPolicy
@@ -41,13 +41,16 @@ class Update:
     """What one engine step committed for one request. The last update of a request has
     ``finish_reason`` (cascade's: length, eos, stop, context, error, cancelled) and
     ``generation`` (the result, cut at a stop string); ``error`` says why it failed, if it did.
-    ``steps``: for a request with provenance, the steps that committed ``tokens``."""
+    ``steps``: for a request with provenance, the steps that committed ``tokens``. ``text``:
+    the text this update settles (:class:`~cascade.api.TextStream`; the last update's takes
+    the rest), so the updates' texts concatenate to the answer's text."""
 
     tokens: list[int]
     finish_reason: str | None = None
     generation: Generation | None = None
     error: str | None = None
     steps: list[StepProvenance] = field(default_factory=list)
+    text: str = ""
 
 
 class Overloaded(Exception):
@@ -65,11 +68,12 @@ class Unavailable(Exception):
 class Job:
     """One request between its handler and the engine thread."""
 
-    def __init__(self, state: RequestState, prompt: Any, stops: list[str], loop: asyncio.AbstractEventLoop,
+    def __init__(self, state: RequestState, prompt: Any, text: TextStream, loop: asyncio.AbstractEventLoop,
                  arrived: float):
         self.state = state
         self.prompt = prompt
-        self.stops = stops
+        self.text = text  # decodes the committed tokens step by step (engine thread only)
+        self.stops = text.stops
         self.loop = loop
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
         self.arrived = arrived  # time.perf_counter() when it reached the server
@@ -155,9 +159,7 @@ class Server:
         arrived = time.perf_counter()
         if not self.alive:
             raise Unavailable(self.dead or "the server is shutting down")
-        stops = _stop_list(stop)
-        if stops:
-            self.cascade._need_tokenizer()
+        text = self.cascade.text_stream(stop)  # checks the stop strings (and that they can be found)
         loop = asyncio.get_running_loop()
         # Cascade.request waits for the Cascade's lock, which a batch step holds: wait in a
         # thread, so that the event loop never waits on a forward pass.
@@ -166,7 +168,7 @@ class Server:
             provenance=provenance, policy=policy))
         if state.policy is not None:  # its plans and outcomes reach the metrics too
             state.policy = RecordingPolicy(state.policy, self.metrics)
-        job = Job(state, prompt, stops, loop, arrived)
+        job = Job(state, prompt, text, loop, arrived)
         with self._wake:
             free = max(0, self.max_num_seqs - len(self._running))
             if len(self._waiting) >= self.max_queued + free:
@@ -187,7 +189,7 @@ class Server:
         """Messages -> the prompt text, by the chat template (``--chat-template`` or the authority
         tokenizer's), with the generation prompt. The text is tokenized without special tokens
         added, so a template that writes BOS gets exactly one."""
-        tokenizer = self.cascade._need_tokenizer()
+        tokenizer = self.cascade.require_tokenizer()
         template = self.chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
             raise RequestError("messages: this model has no chat template; start the server with "
@@ -303,27 +305,31 @@ class Server:
         for job in jobs:
             job.state.finish_reason = "error"
             self.metrics.finished.labels(finished_reason="error").inc()
-            job.push(Update([], "error", self.cascade._result(job.prompt, job.state, job.stops), message))
+            job.push(Update([], "error", self.cascade.result(job.state, job.prompt, job.stops), message,
+                            text=job.text.finish()))
         self.batch.close()
         self.batch = self.cascade.batch(self._policy)
 
     def _dispatch(self, failure: WorkerError | None) -> None:
-        """Hand each request what the step committed; finish the finished ones."""
+        """Hand each request what the step committed, and its text; finish the finished ones.
+        Each request costs what its new tokens cost (the text is decoded incrementally)."""
         now = time.perf_counter()
         for seq_id, job in list(self._running.items()):
             state = job.state
             new = state.generated[job.sent:]
             job.sent = len(state.generated)
+            text = ""
             if new:
                 self._observe_commit(job, len(new), now)
+                text = job.text.add(new, final=state.finish_reason is not None)
                 # as Cascade does after each step: a stop string ends the request (and wins
                 # over the reason the step gave)
-                if job.stops and any(s in self.cascade._decode(state.generated) for s in job.stops):
+                if job.text.stopped:
                     state.finish_reason = "stop"
             reason = state.finish_reason
             if reason is None:
                 if new:
-                    job.push(Update(new, steps=job.new_steps()))
+                    job.push(Update(new, steps=job.new_steps(), text=text))
                 continue
             del self._running[seq_id]
             self.metrics.e2e.observe(now - job.arrived)
@@ -331,8 +337,8 @@ class Server:
             error = None
             if reason == "error":
                 error = f"level {failure.level!r} failed: {failure}" if failure else "generation failed"
-            job.push(Update(new, reason, self.cascade._result(job.prompt, state, job.stops), error,
-                            job.new_steps()))
+            job.push(Update(new, reason, self.cascade.result(state, job.prompt, job.stops), error,
+                            job.new_steps(), text + job.text.finish()))
         self.metrics.running.set(len(self.batch.active))
 
     def _observe_commit(self, job: Job, count: int, now: float) -> None:
@@ -352,7 +358,8 @@ class Server:
         for job in jobs:
             if not job.done:
                 job.state.finish_reason = job.state.finish_reason or "error"
-                job.push(Update([], "error", self.cascade._result(job.prompt, job.state, job.stops), message))
+                job.push(Update([], "error", self.cascade.result(job.state, job.prompt, job.stops), message,
+                                text=job.text.finish()))
         try:
             self.batch.close()
         except Exception:  # a broken worker must not stop the shutdown
