@@ -87,10 +87,10 @@ def nonempty(text: str) -> str:
 def policy_spec(text: str) -> str:
     """``NAME[:key=value,...]``, checked by building the policy (its graph is checked later,
     when it is bound to the topology); returned as given."""
-    from policies import PolicyError, make_policy, parse_policy_spec
+    from policies import PolicyError, from_spec
 
     try:
-        make_policy(*parse_policy_spec(text))
+        from_spec(text)
     except PolicyError as exc:
         raise argparse.ArgumentTypeError(f"{exc} (got {text!r})") from None
     return text
