@@ -75,8 +75,15 @@ def make_llama(
     return path
 
 
+class _NoAliasDumper(yaml.SafeDumper):
+    """Writes a dict shared by several levels out in full: topology files refuse YAML aliases."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
 def write_topology(path: Path, data: dict) -> Path:
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path.write_text(yaml.dump(data, Dumper=_NoAliasDumper, sort_keys=False))
     return path
 
 
