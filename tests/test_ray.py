@@ -33,6 +33,7 @@ from cascade.engine import Request  # noqa: E402
 from cascade.errors import WorkerError  # noqa: E402
 from cascade.sampling import Sampling  # noqa: E402
 from conftest import family_topology, write_topology  # noqa: E402
+from proc_util import stop  # noqa: E402
 
 LEVELS = ["tiny", "small", "medium", "large"]
 LOOKAHEAD = {"ngram": 3, "tiny": 3, "small": 5, "medium": 7}
@@ -78,12 +79,7 @@ def ray_cluster():
         yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}"}
     finally:
         ray.shutdown()
-        head.terminate()
-        try:
-            head.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait()
+        stop(head)
         if saved is None:
             os.environ.pop("RAY_AUTH_MODE", None)
         else:

@@ -34,6 +34,7 @@ pytest.importorskip("ray")
 pytest.importorskip("aiohttp")  # the dashboard (job API) needs ray[default]
 
 from conftest import family_topology, write_topology  # noqa: E402
+from proc_util import stop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -144,12 +145,7 @@ def test_readme_steps_after_the_local_backend(family, tmp_path, home):
         done = _run(submit, {**env_token, **job_env}, timeout=300)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     finally:
-        head.terminate()  # --block: this process stops the processes of this cluster
-        try:
-            head.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait()
+        stop(head)  # --block: this process stops the processes of this cluster
         log.close()
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["token_ids"] for x in lines] == expected  # greedy: the same tokens on the cluster

@@ -21,6 +21,7 @@ from cascade.errors import TopologyError  # noqa: E402
 from cascade.serve import ray_serve  # noqa: E402
 from cascade.topology import load_topology  # noqa: E402
 from conftest import family_topology, write_topology  # noqa: E402
+from proc_util import stop  # noqa: E402
 from test_engine_hf import reference_greedy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,12 +103,7 @@ def test_greedy_completion_through_ray_serve(family, tokenizer, tmp_path):
         if served is not None and served.poll() is None:
             served.kill()
             served.wait()
-        head.terminate()  # --block: stops exactly this cluster
-        try:
-            head.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait()
+        stop(head)  # --block: stops exactly this cluster
         head_log.close()
         serve_log.close()
 

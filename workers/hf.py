@@ -11,7 +11,6 @@ model whose cache layout the pool does not handle keeps one per sequence
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -21,8 +20,6 @@ from workers.base import DTYPES, Worker, common_prefix
 from workers.devices import resolve_device
 from workers.lean import lean_forward
 from workers.pool import Pool, poolable
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

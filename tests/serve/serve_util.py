@@ -13,6 +13,8 @@ from typing import Iterator
 
 import http.client
 
+from proc_util import stop
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 # the console script's entry point, without relying on a `cascade` executable on PATH
@@ -140,12 +142,7 @@ def serve(topology: Path, *args: str, log_dir: Path, timeout: float = 180.0) -> 
         _wait_up(served, timeout)
         yield served
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop(proc, timeout=30)
         with socket.socket() as s:  # nothing is left listening on the port
             assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still open after the server stopped"
 
