@@ -4,6 +4,12 @@ the authority's own warped distribution, computed by enumeration.
 Table-driven workers (tests/table_worker.py: the real Worker interface over a bigram table)
 make 100k draws cheap. The levels are peaked and disagree, so a wrong acceptance rule (one
 that ignores draft_probs) fails the same bound — checked below.
+
+The draws run 64 requests at a time: under a fixed policy a request's tokens depend only on its
+seed, not on its batch (each request draws from its own generator; tests/test_batch.py pins
+batched == solo token for token on each of these topologies), so this is the distribution of
+one request alone too, at half the cost. The adaptive policies, whose batched decisions do
+depend on the batch, are drawn one request at a time (test_distribution_policies.py).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ SCALE = 2.0
 PROMPT = [0]
 # 4 new tokens with lookahead 3 at every level: every level of a 4-level path takes part.
 MAX_NEW = 4
+BATCH = 64
 
 
 def table_topology(tmp_path, depth: int, policy: dict | None = None, draft_sampling=None,
@@ -52,9 +59,12 @@ def exact_pairs(depth: int, temperature: float, top_k: int, top_p: float, prompt
 
 def draw_pairs(topology: str, n: int, seed: int, prompt=PROMPT, max_new=MAX_NEW, **sampling) -> Counter:
     with Cascade.from_topology(topology) as c:
-        results = c.generate([prompt] * n, max_new_tokens=max_new, seed=seed, **sampling)
+        results = c.generate([prompt] * n, max_new_tokens=max_new, seed=seed, batch_size=BATCH, **sampling)
     return Counter(tuple(g.token_ids[:2]) for g in results)
 
+
+NGRAM_PROMPT = [0, 1, 2, 0, 1]
+NGRAM_POLICY = {"name": "fixed", "params": {"lookahead": {"ngram": 3, "small": 3, "medium": 5}}}
 
 CASES = [
     # depth, temperature, top_k, top_p, draft sampling override
@@ -79,11 +89,10 @@ def test_joint_distribution_of_two_tokens_is_exact(tmp_path, depth, temperature,
 def test_joint_distribution_with_ngram_bottom_level(tmp_path):
     """One-hot n-gram drafts under sampling: the prompt repeats, so prompt lookup proposes."""
     n = 100_000
-    prompt = [0, 1, 2, 0, 1]
-    policy = {"name": "fixed", "params": {"lookahead": {"ngram": 3, "small": 3, "medium": 5}}}
-    topo = table_topology(tmp_path, 3, policy=policy, ngram=True)
+    prompt = NGRAM_PROMPT
+    topo = table_topology(tmp_path, 3, policy=NGRAM_POLICY, ngram=True)
     with Cascade.from_topology(topo) as c:
-        results = c.generate([prompt] * n, max_new_tokens=6, seed=11, temperature=1.0)
+        results = c.generate([prompt] * n, max_new_tokens=MAX_NEW, seed=11, temperature=1.0, batch_size=BATCH)
     counts = Counter(tuple(g.token_ids[:2]) for g in results)
     proposed = sum(g.stats.edges["ngram->small"].proposed for g in results if "ngram->small" in g.stats.edges)
     assert proposed > n / 2  # the n-gram level really drafted
