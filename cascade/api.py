@@ -24,6 +24,8 @@ from workers.base import Worker
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+# why a stop string needs a tokenizer, and what to do without one
+_STOP_NEEDS = "stop strings are matched in the decoded text; leave stop out, or give the topology a tokenizer"
 
 
 @dataclass
@@ -155,7 +157,7 @@ class Cascade:
                                   "prompts" if single else f"prompts[{i}]")
                       for i, p in enumerate(batch)]
             if params.stop:
-                self.require_tokenizer()
+                self.require_tokenizer("stop", _STOP_NEEDS)
             if params.batch_size > 1 and len(batch) > 1:
                 results = self._generate_batched(batch, states, params, pol)
             else:
@@ -183,7 +185,7 @@ class Cascade:
         pol = _policy_arg(policy, {}, "stream")
         with self._lock:
             self._check_open()
-            self.require_tokenizer()
+            self.require_tokenizer("stream", "it yields text; use generate, which takes and returns token ids")
             state = self._start(prompt, params, params.seed, "prompt")
         return self._stream(state, list(params.stop or ()), pol)
 
@@ -248,7 +250,7 @@ class Cascade:
                                f"(got {len(state.generated)} tokens so far); step its batch until it leaves")
         stops = _stop_list(stop)
         if stops:
-            self.require_tokenizer()
+            self.require_tokenizer("stop", _STOP_NEEDS)
         return self._result(prompt if prompt is not None else state.request.prompt_ids, state, stops)
 
     def text_stream(self, stop: str | Sequence[str] | None = None) -> "TextStream":
@@ -257,13 +259,14 @@ class Cascade:
         :meth:`stream` and the HTTP server use. Stop strings need a tokenizer."""
         stops = _stop_list(stop)
         if stops:
-            self.require_tokenizer()
+            self.require_tokenizer("stop", _STOP_NEEDS)
         return TextStream(self.tokenizer, stops)
 
-    def require_tokenizer(self):
-        """The tokenizer; a :class:`RequestError` (naming ``prompt``) when the topology has none."""
+    def require_tokenizer(self, field: str = "prompt", need: str = "pass token ids instead of text"):
+        """The tokenizer; a :class:`RequestError` naming ``field`` (what needed it, and ``need``:
+        what to do instead) when the topology has none."""
         if self.tokenizer is None:
-            raise RequestError("prompt: this topology has no tokenizer; pass token ids instead of text")
+            raise RequestError(f"{field}: this topology has no tokenizer; {need}")
         return self.tokenizer
 
     def _generate_each(self, prompts, states, params: GenerationParams, policy, single: bool) -> list[Generation]:

@@ -109,6 +109,20 @@ def test_request_and_stream_name_their_prompt(table):
         table.stream([1], max_new_tokens=0)  # checked at the call, not at the first chunk
 
 
+def test_what_needs_a_tokenizer_is_named(table):
+    """Without a tokenizer, the error names what needed one: the text prompt, the stop strings,
+    the text stream."""
+    with pytest.raises(RequestError, match="^prompt: this topology has no tokenizer; pass token ids"):
+        table.generate("text", max_new_tokens=2)
+    with pytest.raises(RequestError, match="^stop: this topology has no tokenizer; stop strings are matched"):
+        table.generate([1], max_new_tokens=2, stop="x")
+    with pytest.raises(RequestError, match="^stop: "):
+        table.text_stream(stop=["x"])
+    with pytest.raises(RequestError, match="^stream: this topology has no tokenizer; it yields text"):
+        table.stream([1], max_new_tokens=2)
+    assert len(table.generate([1], max_new_tokens=2).token_ids) == 2  # and it goes on serving
+
+
 def test_integer_like_values_count_as_integers(table):
     ref = table.generate([1, 2, 3], max_new_tokens=8, temperature=0.8, seed=5, top_k=4)
     for prompt in ([np.int64(1), np.int32(2), 3], np.array([1, 2, 3]), torch.tensor([1, 2, 3])):

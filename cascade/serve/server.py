@@ -189,7 +189,7 @@ class Server:
         """Messages -> the prompt text, by the chat template (``--chat-template`` or the authority
         tokenizer's), with the generation prompt. The text is tokenized without special tokens
         added, so a template that writes BOS gets exactly one."""
-        tokenizer = self.cascade.require_tokenizer()
+        tokenizer = self.cascade.require_tokenizer("messages", "send token ids to /v1/completions")
         template = self.chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
             raise RequestError("messages: this model has no chat template; start the server with "
