@@ -120,7 +120,8 @@ class _Common(_Strict):
     return_provenance: bool = Field(False, description="extension: add each step's path, blocks and the level "
                                                         "each token came from (cascade_provenance)")
     policy: str | None = Field(None, min_length=1, description="extension: a policy spec string for this request "
-                                                               "alone (unset: the server's)")
+                                                               "(unset: the server's); requests naming the same "
+                                                               "spec share one policy")
     # OpenAI fields cascade does not implement, accepted at their neutral value only
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import json
 import logging
 import threading
 import time
@@ -31,9 +32,12 @@ from cascade.engine import RequestState
 from cascade.errors import RequestError, WorkerError
 from cascade.serve.metrics import Metrics, RecordingPolicy
 from cascade.stats import StepProvenance
-from policies import Policy
+from policies import Policy, parse_policy_spec
 
 log = logging.getLogger(__name__)
+
+#: how many request-named policy specs a server keeps a (shared, learning) policy for
+SPEC_POLICIES = 16
 
 
 @dataclass
@@ -131,6 +135,9 @@ class Server:
         self.metrics = Metrics(list(topo.graph.edges))
         self._policy = RecordingPolicy(policy or cascade.engine.policy, self.metrics)
         self.batch = cascade.batch(self._policy)
+        # the requests' own policies, one per spec (least recently used first): requests that
+        # name the same spec share it, so they batch together and it learns from all of them
+        self._spec_policies: collections.OrderedDict[str, RecordingPolicy] = collections.OrderedDict()
         self.steps = 0
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: dict[str, Job] = {}
@@ -154,8 +161,10 @@ class Server:
                      policy: str | None = None) -> Job:
         """Validate a request and queue it for the batch; the updates go to the calling event
         loop. Raises RequestError (bad input), Overloaded or Unavailable. ``provenance``: each
-        update carries its steps' provenance; ``policy``: a spec string for this request alone
-        (a fresh policy: it steps in a group of its own and learns only from this request)."""
+        update carries its steps' provenance; ``policy``: a spec string for this request. Requests
+        that name the same spec (the same name and parameters) share one policy: they step
+        together, apart from the served policy's group, and it learns from all of them. The
+        server keeps the last :data:`SPEC_POLICIES` specs' policies."""
         arrived = time.perf_counter()
         if not self.alive:
             raise Unavailable(self.dead or "the server is shutting down")
@@ -166,8 +175,8 @@ class Server:
         state = await loop.run_in_executor(None, functools.partial(
             self.cascade.request, prompt, max_new_tokens, temperature, top_k, top_p, seed,
             provenance=provenance, policy=policy))
-        if state.policy is not None:  # its plans and outcomes reach the metrics too
-            state.policy = RecordingPolicy(state.policy, self.metrics)
+        if state.policy is not None:
+            state.policy = self._shared_policy(policy, state.policy)
         job = Job(state, prompt, text, loop, arrived)
         with self._wake:
             free = max(0, self.max_num_seqs - len(self._running))
@@ -177,6 +186,17 @@ class Server:
             self.metrics.waiting.set(len(self._waiting))
             self._wake.notify()
         return job
+
+    def _shared_policy(self, spec: str, fresh: Policy) -> RecordingPolicy:
+        """The policy of requests naming ``spec``: ``fresh`` (just built and bound from it) for
+        the first, the same object for the next ones. Its plans and outcomes reach the metrics."""
+        name, params = parse_policy_spec(spec)
+        key = json.dumps([name, params], sort_keys=True, default=repr)
+        shared = self._spec_policies.pop(key, None) or RecordingPolicy(fresh, self.metrics)
+        self._spec_policies[key] = shared
+        while len(self._spec_policies) > SPEC_POLICIES:
+            self._spec_policies.popitem(last=False)  # requests in flight keep theirs
+        return shared
 
     def cancel(self, job: Job) -> None:
         """The client is gone: the request leaves the batch (caches released) at the next step."""
