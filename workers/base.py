@@ -146,5 +146,10 @@ class Worker(abc.ABC):
     def release(self, seq_ids: Sequence[str]) -> None:
         """Forget the state of finished sequences."""
 
+    def cached_sequences(self) -> int | None:
+        """How many sequences this worker holds state (a KV cache) for, until released; None
+        when it cannot say. For monitoring: a count that only grows is a leak."""
+        return None
+
     def close(self) -> None:
         """Free resources (models, caches)."""

@@ -190,6 +190,9 @@ class HFWorker(Worker):
         if self._pool:
             self._pool.release(seq_ids)
 
+    def cached_sequences(self) -> int:
+        return len(self._caches) + (len(self._pool.row_of) if self._pool else 0)
+
     def close(self) -> None:
         self._caches.clear()
         self._pool = None

@@ -239,7 +239,7 @@ class Server:
         """Per level, the sequences it holds a cache for, where the level can tell (debug)."""
         out = {}
         for name, worker in self.cascade.workers.items():
-            count = _cached_count(worker)
+            count = worker.cached_sequences()
             if count is not None:
                 out[name] = count
                 self.metrics.cached.labels(level=name).set(count)
@@ -388,15 +388,3 @@ class Server:
 
 # cascade's finish reasons -> vLLM's request_success labels
 _REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "abort"}
-
-
-def _cached_count(worker) -> int | None:
-    """How many sequences a transformers worker holds caches for (its solo caches and its
-    pooled rows); None for a worker that cannot say (n-gram, remote, custom).
-    (Reads the worker's internals: a public ``Worker`` method for this would be better.)"""
-    caches = getattr(worker, "_caches", None)
-    if not isinstance(caches, dict):
-        return None
-    pool = getattr(worker, "_pool", None)
-    rows = getattr(pool, "row_of", None) if pool else None
-    return len(caches) + (len(rows) if isinstance(rows, dict) else 0)

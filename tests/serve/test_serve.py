@@ -259,17 +259,15 @@ def test_the_openai_client_sees_the_errors(client):
 
 
 def test_the_cache_count_reads_solo_and_pooled_sequences(cascade):
-    """/health's cached_sequences reads transformers workers' caches: a sequence served alone
-    and sequences in the batched pool both count, and leave when released."""
-    from cascade.serve.server import _cached_count
-
+    """/health's cached_sequences asks each worker (Worker.cached_sequences): a transformers
+    worker counts a sequence served alone and sequences in its batched pool, until released."""
     large = cascade.workers["large"]
     batch = cascade.batch()
     batch.add(cascade.request("import os\n", max_new_tokens=64, temperature=0.0))
     batch.step()
-    assert _cached_count(large) == 1  # alone: its own cache
+    assert large.cached_sequences() == 1  # alone: its own cache
     batch.add(cascade.request("class Stack:\n", max_new_tokens=64, temperature=0.0))
     batch.step()
-    assert _cached_count(large) == 2  # batched: rows of the pool
+    assert large.cached_sequences() == 2  # batched: rows of the pool
     batch.close()
-    assert _cached_count(large) == 0
+    assert large.cached_sequences() == 0
