@@ -198,9 +198,25 @@ def test_family_mode_builds_all_levels(tmp_path, corpus_dir):
         assert tok.eos_token == "<|endoftext|>"
         info = json.loads((fam / lv / "training.json").read_text())
         assert info["teacher"] == (None if lv == "large" else "large")
+        assert (info["device"], info["bf16_autocast"], info["threads"]) == ("cpu", False, 1)
     # running the same command again finds everything done and trains nothing
     assert distill.main(args) == 0
     assert (tmp_path / "w" / "distill.log").read_text().count("large: already trained") == 1
+
+    # the model card of what it built: every part, and the targets as met or missed
+    from cascade.cli import main as cli
+
+    card = tmp_path / "card.md"
+    assert cli(["model-card", str(fam), "--max-prompts", "3", "--loss-windows", "2", "--decode-rounds", "1",
+                "--decode-steps", "2", "--new-tokens", "4", "--text-tokens", "8", "--samples", "2", "--threads", "1",
+                "--markdown", str(card), "--json", str(tmp_path / "card.json")]) == 0
+    text = card.read_text()
+    for part in ("### Held-out loss", "nats/character", "### Text", "# ---- sampled ----", "### Targets",
+                 "| one tokenizer shared by every level | shared | yes |", "tokens/param"):
+        assert part in text, part
+    results = json.loads((tmp_path / "card.json").read_text())
+    assert set(results["text"]["greedy_repetition_median"]) == {"tiny", "small", "medium", "large"}
+    assert len(results["text"]["samples"]["texts"]) == 2
 
 
 def test_help_documents_the_family_command(capsys):
@@ -275,3 +291,23 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint(tmp_path, teacher_dir):
     assert torch.load(ckpt, weights_only=False)["step"] == 3
     assert "SIGTERM, stopping at step 3/10" in (tmp_path / "distill.log").read_text()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_model_card_targets_are_judged_by_their_thresholds():
+    from cascade.train.family_eval import check_targets
+
+    levels = ["tiny", "small", "medium", "large"]
+    results = {"levels": levels, "shared_tokenizer": True,
+               "meta": {lv: {"weights_mib": 9.0} for lv in levels},
+               "loss": {"tiny": 3.0, "small": 2.8, "medium": 2.69, "large": 2.6},  # tiny: exactly 0.40 above
+               "text": {"greedy_repetition_median": {"large": 0.30}, "new_tokens": 96},
+               "decode_ms": {"tiny": 1.0, "small": 2.0, "medium": 4.5, "large": 9.0},
+               "acceptance": {kind: {"tiny": {"small": 0.6}, "small": {"medium": 0.7}, "medium": {"large": 0.59}}
+                              for kind in ("greedy", "sampled")}}
+    met = {key: ok for key, (ok, _) in check_targets(results).items()}
+    assert met == {"weights": True, "tokenizer": True, "loss_order": True, "loss_margin_medium": False,
+                   "loss_margin_tiny": True, "repetition": True, "decode_cost": True,
+                   "acceptance_greedy": False, "acceptance_sampled": False}
+    results["meta"]["large"]["weights_mib"] = 14.0  # 41 MiB in all
+    results["loss"]["medium"] = 2.7  # exactly 0.10 above large: met
+    assert check_targets(results)["weights"][0] is False and check_targets(results)["loss_margin_medium"][0]

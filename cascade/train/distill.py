@@ -425,12 +425,30 @@ class _Family:
                 "teacher": teacher, "kl_weight": None if teacher is None else args.kl_weight,
                 "temperature": None if teacher is None else args.temperature,
                 "corpus": list(args.corpus), "corpus_files": self.n_files, "corpus_tokens": int(self.data.numel()),
-                "final_train_ce": summary["history"][level][-1][1] if summary["history"][level] else None}
+                "final_train_ce": summary["history"][level][-1][1] if summary["history"][level] else None,
+                "device": _device_name(self.device), "bf16_autocast": use_amp(args.amp, self.device), "threads": args.threads,
+                "torch": _torch_version()}
 
     def held_out(self, name: str, model, record: dict) -> None:
         if self.windows is not None:
             record["eval_loss"] = eval_loss(model, self.windows)
             log(f"{name}: held-out loss {record['eval_loss']:.4f}", self.work_dir)
+
+
+def _device_name(device) -> str:
+    """The training device in words (``cpu``, or ``cuda: NVIDIA H200``) for training.json."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def run_family(args) -> int:

@@ -14,7 +14,13 @@ run and side by side:
   greedily; the drafter is teacher-forced on the same sequence; greedy acceptance is the
   fraction of generated positions where the drafter's argmax equals the verifier's; at
   temperature T it is the mean over positions of ``sum_v min(p_draft(v), p_verifier(v))`` with
-  both softmaxed at T (the expected speculative-sampling acceptance rate).
+  both softmaxed at T (the expected speculative-sampling acceptance rate);
+* text: every level's greedy continuations of the held-out prompts (``--text-tokens``, 96) and
+  their median repeated-4-gram share (:mod:`cascade.tools.repetition`), and a few of the top
+  level's sampled continuations (T, fixed seed), shown as they are;
+* targets: the family's targets (:data:`TARGETS`), each met or missed, with the figure.
+
+Held-out loss is also given per character of held-out text, which compares across tokenizers.
 
 Usage::
 
@@ -52,7 +58,10 @@ def add_parser(sub) -> None:
     p.add_argument("--decode-rounds", type=int, default=7, help="round-robin timing rounds")
     p.add_argument("--decode-steps", type=int, default=64, help="decode steps per timing round")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    p.add_argument("--skip", nargs="*", default=[], choices=["loss", "decode", "acceptance"], help="parts to skip")
+    p.add_argument("--text-tokens", type=int, default=96, help="tokens per greedy / sampled continuation (text)")
+    p.add_argument("--samples", type=int, default=3, help="sampled continuations of the top level to show")
+    p.add_argument("--skip", nargs="*", default=[], choices=["loss", "decode", "acceptance", "text"],
+                   help="parts to skip")
     p.add_argument("--json", dest="json_out", default=None, help="write all measurements as JSON here")
     p.add_argument("--markdown", default=None, help="write the markdown tables here")
     p.set_defaults(func=run)
@@ -86,6 +95,12 @@ def load_family(family: str | Path, levels, dtype=None):
         meta[lv] = info
     tokenizer = AutoTokenizer.from_pretrained(family / levels[-1])
     return models, tokenizer, meta
+
+
+def shared_tokenizer(family: str | Path, levels) -> bool:
+    """Whether every level's directory holds the same tokenizer (tokenizer.json byte for byte)."""
+    files = {(Path(family) / lv / "tokenizer.json").read_bytes() for lv in levels}
+    return len(files) == 1
 
 
 # --------------------------------------------------------------------------- held-out loss
@@ -230,6 +245,90 @@ def acceptance_matrix(models: dict, tokenizer, prompts, new_tokens: int = 64, te
             "new_tokens": new_tokens, "prompts": len(prompts)}
 
 
+# --------------------------------------------------------------------------- text
+
+
+def sampled_continuations(model, tokenizer, prompts, new_tokens: int, temperature: float, seed: int = 0):
+    """Continuations sampled at ``temperature`` (no top-k / top-p), seeded per prompt: texts."""
+    import torch
+
+    eos = tokenizer.eos_token_id
+    out = []
+    with torch.inference_mode():
+        for i, text in enumerate(prompts):
+            torch.manual_seed(seed + i)
+            ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=True,
+                                 temperature=temperature, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=eos)
+            out.append(tokenizer.decode(gen[0, ids.size(1):]))
+    return out
+
+
+def text_quality(models: dict, tokenizer, prompts, new_tokens: int = 96, temperature: float = 0.8,
+                 samples: int = 3) -> dict:
+    """Per level, the median repeated-4-gram share of its greedy continuations and the share
+    of them that loop; the top level's first ``samples`` sampled continuations."""
+    from cascade.tools.repetition import LOOP_THRESHOLD, is_loop, median_repetition
+
+    top = list(models)[-1]
+    out = {"new_tokens": new_tokens, "prompts": len(prompts), "loop_threshold": LOOP_THRESHOLD,
+           "greedy_repetition_median": {}, "greedy_loop_share": {}}
+    for lv, model in models.items():
+        conts = [g.tolist() for _, g in greedy_continuations(model, tokenizer, prompts, new_tokens)]
+        out["greedy_repetition_median"][lv] = median_repetition(conts)
+        out["greedy_loop_share"][lv] = sum(map(is_loop, conts)) / max(1, len(conts))
+    shown = prompts[:samples]
+    out["samples"] = {"level": top, "temperature": temperature, "prompts": shown,
+                      "texts": sampled_continuations(models[top], tokenizer, shown, new_tokens, temperature)}
+    return out
+
+
+# --------------------------------------------------------------------------- targets
+
+#: the family's targets (issue 18): (key, description)
+TARGETS = (
+    ("loss_order", "held-out loss strictly decreases tiny -> small -> medium -> large"),
+    ("loss_margin_medium", "large at least 0.10 nats/token below medium"),
+    ("loss_margin_tiny", "large at least 0.40 nats/token below tiny"),
+    ("repetition", "large's greedy continuations: median repeated-4-gram share <= 0.30"),
+    ("weights", "all weights <= 40 MiB"),
+    ("tokenizer", "one tokenizer shared by every level"),
+    ("decode_cost", "each level's decode cost >= 2x the level below"),
+    ("acceptance_greedy", "adjacent greedy acceptance >= 0.6"),
+    ("acceptance_sampled", "adjacent acceptance at T >= 0.6"),
+)
+
+
+def check_targets(results: dict) -> dict:
+    """key -> (met, the figure as text), for the targets the measured parts allow."""
+    levels, meta, out = results["levels"], results["meta"], {}
+    pairs = list(zip(levels, levels[1:]))
+    weights = sum(meta[lv]["weights_mib"] for lv in levels)
+    out["weights"] = (weights <= 40, f"{weights:.2f} MiB")
+    out["tokenizer"] = (results["shared_tokenizer"], "shared" if results["shared_tokenizer"] else "differs")
+    if "loss" in results:
+        loss = results["loss"]
+        out["loss_order"] = (all(loss[a] > loss[b] for a, b in pairs), " > ".join(f"{loss[lv]:.3f}" for lv in levels))
+        if len(levels) >= 2:
+            top, below, first = levels[-1], levels[-2], levels[0]
+            for key, lower, margin in (("loss_margin_medium", below, 0.10), ("loss_margin_tiny", first, 0.40)):
+                gap = loss[lower] - loss[top]
+                out[key] = (gap >= margin - 1e-9, f"{gap:.3f}")  # a margin met exactly is met
+    if "text" in results:
+        rep = results["text"]["greedy_repetition_median"][levels[-1]]
+        out["repetition"] = (rep <= 0.30, f"{rep:.3f} ({results['text']['new_tokens']} tokens)")
+    if "decode_ms" in results:
+        ms = results["decode_ms"]
+        ratios = [ms[b] / ms[a] for a, b in pairs]
+        out["decode_cost"] = (all(r >= 2 for r in ratios), ", ".join(f"{r:.2f}x" for r in ratios))
+    if "acceptance" in results:
+        acc = results["acceptance"]
+        for key, kind in (("acceptance_greedy", "greedy"), ("acceptance_sampled", "sampled")):
+            rates = [acc[kind][a][b] for a, b in pairs]
+            out[key] = (all(r >= 0.6 for r in rates), ", ".join(f"{r:.3f}" for r in rates))
+    return out
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -256,25 +355,29 @@ def markdown(results: dict) -> str:
     levels = results["levels"]
     meta = results["meta"]
     lines = ["### Sizes and training", "",
-             "| level | layers x width (heads, FFN) | params | weights (MiB) | training tokens | training time | teacher |",
-             "|---|---|---:|---:|---:|---:|---|"]
+             "| level | layers x width (heads, FFN) | params | weights (MiB) | training tokens | tokens/param "
+             "| training time | teacher |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     for lv in levels:
         m = meta[lv]
         tt = _training_total(m, "train_tokens")
         ts = _training_total(m, "train_seconds")
+        params = m["params"]
         lines.append(f"| {lv} | {m['layers']} x {m['hidden']} ({m['heads']}, {m['intermediate']}) | {m['params']:,} "
                      f"| {m['weights_mib']:.2f} | {f'{tt / 1e6:.2f} M' if tt else '?'} "
+                     f"| {f'{tt / params:.2f}' if tt else '?'} "
                      f"| {f'{ts / 60:.1f} min' if ts else '?'} | {_teacher_text(m)} |")
     total = sum(meta[lv]["weights_mib"] for lv in levels)
     lines += ["", f"All weights together: {total:.2f} MiB. Training time is wall-clock time on a 2-core CPU "
               "shared with other jobs; the three students were trained together in one process.", ""]
     if "loss" in results:
-        lines += ["### Held-out loss", "", "| level | loss (nats/token) | perplexity |", "|---|---:|---:|"]
+        lines += ["### Held-out loss", "", "| level | nats/token | perplexity | nats/character |", "|---|---:|---:|---:|"]
         for lv in levels:
             loss = results["loss"][lv]
-            lines.append(f"| {lv} | {loss:.4f} | {math.exp(loss):.2f} |")
-        lines += ["", f"({results['loss_tokens']:,} tokens: {results['loss_windows']} windows of {results['seq_len']} "
-                  "held-out tokens, float32.)", ""]
+            lines.append(f"| {lv} | {loss:.4f} | {math.exp(loss):.2f} | {results['loss_per_char'][lv]:.4f} |")
+        lines += ["", f"({results['loss_tokens']:,} tokens, {results['loss_chars']:,} characters: "
+                  f"{results['loss_windows']} windows of {results['seq_len']} held-out tokens, float32. Per "
+                  "character compares across tokenizers; per token does not.)", ""]
     if "decode_ms" in results:
         base = results["decode_ms"][levels[0]]
         lines += ["### Per-token decode cost (batch 1, KV cache, float32)", "",
@@ -297,7 +400,30 @@ def markdown(results: dict) -> str:
             for d in levels:
                 lines.append(f"| {d} | " + " | ".join(f"{acc[key][d][v]:.3f}" for v in levels) + " |")
             lines.append("")
+    if "text" in results:
+        lines += _text_lines(levels, results["text"])
+    targets = check_targets(results)
+    if targets:
+        lines += ["### Targets", "", "| target | measured | met |", "|---|---|---|"]
+        lines += [f"| {desc} | {targets[key][1]} | {'yes' if targets[key][0] else '**no**'} |"
+                  for key, desc in TARGETS if key in targets]
+        lines.append("")
     return "\n".join(lines)
+
+
+def _text_lines(levels, text: dict) -> list[str]:
+    lines = ["### Text", "", f"Greedy continuations of {text['prompts']} held-out prompts, {text['new_tokens']} "
+             f"tokens each: the median share of tokens closing a 4-gram already written in that continuation, "
+             f"and the share of continuations at or above {text['loop_threshold']} (loops).", "",
+             "| level | median repeated-4-gram share | loops |", "|---|---:|---:|"]
+    lines += [f"| {lv} | {text['greedy_repetition_median'][lv]:.3f} | {text['greedy_loop_share'][lv]:.0%} |"
+              for lv in levels]
+    sam = text["samples"]
+    lines += ["", f"Sampled continuations of `{sam['level']}` (T = {sam['temperature']}, no top-k/top-p, seed i for "
+              f"prompt i), as they are; the prompt, then the continuation after the marker line:", ""]
+    for prompt, cont in zip(sam["prompts"], sam["texts"]):
+        lines += ["````python", prompt.rstrip("\n"), "# ---- sampled ----", cont, "````", ""]
+    return lines
 
 
 def run(args) -> int:
@@ -309,6 +435,7 @@ def run(args) -> int:
     torch.manual_seed(0)
     models, tokenizer, meta = load_family(args.family, args.levels)
     results = {"family": str(args.family), "levels": list(args.levels), "meta": meta,
+               "shared_tokenizer": shared_tokenizer(args.family, args.levels),
                "torch_threads": args.threads, "seq_len": args.seq_len,
                "command": "cascade model-card " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else None}
     if "loss" not in args.skip:
@@ -316,6 +443,9 @@ def run(args) -> int:
         results["loss"] = heldout_losses(models, windows)
         results["loss_windows"] = windows.size(0)
         results["loss_tokens"] = windows.size(0) * args.seq_len
+        results["loss_chars"] = sum(len(tokenizer.decode(w[1:])) for w in windows)
+        results["loss_per_char"] = {lv: loss * results["loss_tokens"] / results["loss_chars"]
+                                    for lv, loss in results["loss"].items()}
         print("held-out loss:", {k: round(v, 4) for k, v in results["loss"].items()}, flush=True)
     if "decode" not in args.skip:
         results["decode_ms"] = decode_costs(models, len(tokenizer), args.decode_rounds, args.decode_steps)
@@ -323,6 +453,11 @@ def run(args) -> int:
     if "acceptance" not in args.skip:
         prompts = load_prompts(args.prompts)[: args.max_prompts]
         results["acceptance"] = acceptance_matrix(models, tokenizer, prompts, args.new_tokens, args.temperature)
+    if "text" not in args.skip:
+        prompts = load_prompts(args.prompts)[: args.max_prompts]
+        results["text"] = text_quality(models, tokenizer, prompts, args.text_tokens, args.temperature, args.samples)
+        print("greedy repetition (median):", {k: round(v, 3) for k, v in
+                                              results["text"]["greedy_repetition_median"].items()}, flush=True)
     md = markdown(results)
     print(md)
     if args.json_out:
