@@ -53,6 +53,23 @@ def _args(teacher_dir, corpus_dir, work, out, *extra):
             *extra]
 
 
+def test_tokenizer_cuts_at_newlines_so_a_prompt_ending_in_one_is_a_prefix(teacher_dir):
+    """Text cut right after any newline tokenizes as a prefix of the whole text's tokens (a
+    prompt ending in a newline ends where training text does), and decoding is exact."""
+    import inspect
+    import textwrap as module
+
+    tok = transformers.AutoTokenizer.from_pretrained(teacher_dir)
+    src = inspect.getsource(module)
+    whole = tok(src, add_special_tokens=False)["input_ids"]
+    assert tok.decode(whole) == src
+    cuts = [i + 1 for i, ch in enumerate(src) if ch == "\n" and src[i + 1:i + 2] == " "][:200]
+    assert len(cuts) > 50  # lines followed by indented code
+    for cut in cuts:
+        ids = tok(src[:cut], add_special_tokens=False)["input_ids"]
+        assert ids == whole[:len(ids)], repr(src[max(0, cut - 40):cut + 20])
+
+
 def test_sampler_batches_depend_only_on_seed_and_step():
     data = torch.arange(1000, dtype=torch.int32)
     a = WindowSampler(data, 16, 4, seed=7)

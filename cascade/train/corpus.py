@@ -195,19 +195,40 @@ def split_files(files: Sequence[Path], val_fraction: float, seed: int = 0) -> tu
 # --------------------------------------------------------------------------- tokenizer
 
 
+#: How text is cut before BPE merges (the pieces are then byte-level encoded). GPT-2's pattern
+#: puts a newline and the next line's indentation in one piece (``"\n       "``), so a prompt
+#: ending in a newline (``"def f(x):\n"``) ends in a token that training text almost never
+#: continues with indented code: models write column-0 text and loop. This pattern (the shape of
+#: cl100k's) ends a piece at every newline, so text cut after a newline tokenizes as a prefix of
+#: the whole; indentation is a piece of its own, less one space that leads the next word.
+PRETOKENIZE_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                       r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def pre_tokenizer():
+    """The pre-tokenizer of :func:`train_tokenizer`: :data:`PRETOKENIZE_PATTERN`, then bytes."""
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
 def train_tokenizer(texts: Sequence[str], out_dir: str | os.PathLike, vocab_size: int = 4096,
                     model_max_length: int = 1024):
     """Train a byte-level BPE tokenizer on ``texts`` and save it (HF format) in ``out_dir``.
 
     Byte-level pre-tokenisation makes every string representable and decoding exact (tabs,
-    trailing spaces, ``\\r\\n``, any unicode).  ``<|endoftext|>`` is the only special token and
-    serves as EOS (also set as BOS/PAD/UNK so generic code finds one).
+    trailing spaces, ``\\r\\n``, any unicode); pieces end at newlines
+    (:data:`PRETOKENIZE_PATTERN`).  ``<|endoftext|>`` is the only special token and serves as
+    EOS (also set as BOS/PAD/UNK so generic code finds one).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
