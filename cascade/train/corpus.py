@@ -199,8 +199,9 @@ def split_files(files: Sequence[Path], val_fraction: float, seed: int = 0) -> tu
 #: puts a newline and the next line's indentation in one piece (``"\n       "``), so a prompt
 #: ending in a newline (``"def f(x):\n"``) ends in a token that training text almost never
 #: continues with indented code: models write column-0 text and loop. This pattern (the shape of
-#: cl100k's) ends a piece at every newline, so text cut after a newline tokenizes as a prefix of
-#: the whole; indentation is a piece of its own, less one space that leads the next word.
+#: cl100k's) ends a piece at every newline, so text cut after a newline that starts a line of
+#: text tokenizes as a prefix of the whole (newlines in a row stay one piece); indentation is a
+#: piece of its own, less one space that leads the next word.
 PRETOKENIZE_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
