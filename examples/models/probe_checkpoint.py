@@ -7,7 +7,10 @@ the targets the model card will check, without stopping the training.
 
 Prints, per model: the step, the held-out loss (the model card's held-out text, code from
 packages outside the corpus) in nats per token and, comparable across tokenizers, nats per
-character, and the median repeated-4-gram share of greedy continuations of the held-out prompts. It reads the checkpoint once (a consistent copy: the
+character, the median repeated-4-gram share of greedy continuations of the held-out prompts, and
+how many of those continuations start at column 0 (every held-out prompt ends inside an indented
+docstring or body, on a newline: a model that starts at column 0 has lost the indentation, as
+GPT-2's pre-tokenizer made the first rebuild do). It reads the checkpoint once (a consistent copy: the
 trainer replaces the file atomically) and runs on one thread, so a niced training keeps going.
 """
 from __future__ import annotations
@@ -76,10 +79,12 @@ def main(argv=None) -> int:
         per_char = loss * len(tok(text, add_special_tokens=False)["input_ids"]) / len(text)
         gens = greedy_continuations(model, tok, prompts, new_tokens=args.new_tokens)
         rep = median_repetition([g.tolist() for _, g in gens])
+        column0 = sum(tok.decode(g[:6]).lstrip("\r\n")[:1] not in (" ", "\t") for _, g in gens)
         out["models"][name] = {"heldout_loss": round(loss, 4), "heldout_nats_per_char": round(per_char, 4),
-                               "greedy_repetition_median": round(rep, 3)}
+                               "greedy_repetition_median": round(rep, 3), "column0_starts": column0}
         print(f"{name:>16}  step {step if not name.startswith('bundled') else '-':>6}  held-out loss {loss:.4f}/token"
-              f" {per_char:.4f}/char  greedy repeated-4-gram share (median) {rep:.3f}", flush=True)
+              f" {per_char:.4f}/char  greedy repeated-4-gram share (median) {rep:.3f}"
+              f"  column-0 starts {column0}/{len(gens)}", flush=True)
     print(json.dumps(out))
     return 0
 
