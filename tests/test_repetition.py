@@ -1,10 +1,10 @@
-"""The repetition measure every benchmark row reports (cascade/tools/repetition.py), on
+"""The repetition measure every benchmark row reports (cascade/repetition.py), on
 hand-made sequences."""
 from __future__ import annotations
 
 import pytest
 
-from cascade.tools.repetition import is_loop, median_repetition, repetition
+from cascade.repetition import is_loop, median_repetition, repetition
 
 
 def test_no_repeated_4gram_scores_zero():

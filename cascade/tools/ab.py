@@ -5,7 +5,7 @@ or, from Python, :func:`run_ab`. Reports the mean per-prompt tokens/s ratio B/A 
 bootstrap 95% confidence interval and a paired sign-flip permutation p-value; writes JSON, a
 markdown summary and PNG plots. Under greedy decoding both policies must produce identical
 tokens: any difference is reported as an exactness failure. Each arm's text is reported with
-its repetition (:mod:`cascade.tools.repetition`, median over prompts): a loop flatters any
+its repetition (:mod:`cascade.repetition`, median over prompts): a loop flatters any
 speculative policy.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
-from cascade.tools.repetition import repetition
+from cascade.repetition import repetition
 
 
 @dataclass

@@ -23,7 +23,7 @@ predicted is the share of that ideal the configuration kept.
 Greedy or sampled (``--temperature``/``--top-p``/``--top-k``/``--seed``; ``--with-greedy`` runs
 both, interleaved in the same run and reported side by side). Small models loop under greedy
 decoding and a loop is what every draft predicts best, so every row also reports how
-repetitive its text was (:mod:`cascade.tools.repetition`), and beside the overall speedup the
+repetitive its text was (:mod:`cascade.repetition`), and beside the overall speedup the
 speedup over the prompts whose plain continuation is not a loop. Exactness: under greedy
 decoding every output must equal plain decoding's; under sampling every configuration's first
 tokens on one prompt must follow the distribution of plain sampling
@@ -45,7 +45,7 @@ from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 from cascade.tools.bench_batch import mode_label, run_batch_bench
 from cascade.tools.bench_report import write_report
 from cascade.tools.exactness import DistributionCheck
-from cascade.tools.repetition import LOOP_THRESHOLD, NGRAM, repetition
+from cascade.repetition import LOOP_THRESHOLD, NGRAM, repetition
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 from cascade.tools.bench_report import batch_markdown
 from cascade.tools.exactness import DistributionCheck
-from cascade.tools.repetition import repetition
+from cascade.repetition import repetition
 
 # (tokens, seconds, mean latency per request, repetition per request) of serving a list of requests
 Served = tuple[int, float, float, list[float]]

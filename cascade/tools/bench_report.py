@@ -5,7 +5,7 @@ import json
 import resource
 from pathlib import Path
 
-from cascade.tools.repetition import LOOP_THRESHOLD, NGRAM
+from cascade.repetition import LOOP_THRESHOLD, NGRAM
 
 # ConfigReport and Sample, in annotations, are cascade.tools.bench's (not imported: no cycle)
 

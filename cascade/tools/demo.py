@@ -126,7 +126,7 @@ def _decode(c, model, prompts: list[str], sampling, args) -> Mode:
 
 
 def _table(mode: Mode, authority: str, policy: str) -> None:
-    from cascade.tools.repetition import repetition
+    from cascade.repetition import repetition
 
     cascade_tps = mode.stats.tokens_per_second
     plain_tps = mode.plain_tokens / mode.plain_seconds if mode.plain_seconds else 0.0

@@ -16,7 +16,7 @@ run and side by side:
   temperature T it is the mean over positions of ``sum_v min(p_draft(v), p_verifier(v))`` with
   both softmaxed at T (the expected speculative-sampling acceptance rate);
 * text: every level's greedy continuations of the held-out prompts (``--text-tokens``, 96) and
-  their median repeated-4-gram share (:mod:`cascade.tools.repetition`), and a few of the top
+  their median repeated-4-gram share (:mod:`cascade.repetition`), and a few of the top
   level's sampled continuations (T, fixed seed), shown as they are;
 * targets: the family's targets (:data:`TARGETS`), each met or missed, with the figure.
 
@@ -268,7 +268,7 @@ def text_quality(models: dict, tokenizer, prompts, new_tokens: int = 96, tempera
                  samples: int = 3) -> dict:
     """Per level, the median repeated-4-gram share of its greedy continuations and the share
     of them that loop; the top level's first ``samples`` sampled continuations."""
-    from cascade.tools.repetition import LOOP_THRESHOLD, is_loop, median_repetition
+    from cascade.repetition import LOOP_THRESHOLD, is_loop, median_repetition
 
     top = list(models)[-1]
     out = {"new_tokens": new_tokens, "prompts": len(prompts), "loop_threshold": LOOP_THRESHOLD,

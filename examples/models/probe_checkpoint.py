@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from cascade.tools.repetition import median_repetition  # noqa: E402
+from cascade.repetition import median_repetition  # noqa: E402
 from cascade.train.family import SIZES, make_model  # noqa: E402
 from cascade.train.family_eval import greedy_continuations, heldout_losses, heldout_windows  # noqa: E402
 from cascade.train.heldout import heldout_text, load_prompts  # noqa: E402
