@@ -418,6 +418,8 @@ class _Family:
 
     def record(self, level: str, summary: dict, lr: float, teacher: str | None) -> dict:
         """The training.json of a level trained by one stage."""
+        import torch
+
         args, steps = self.args, summary["steps"]
         return {"level": level, "size": self.sizes[level], "steps": steps, "seq_len": args.seq_len,
                 "batch_size": args.batch_size, "train_tokens": steps * args.batch_size * args.seq_len,
@@ -427,7 +429,7 @@ class _Family:
                 "corpus": list(args.corpus), "corpus_files": self.n_files, "corpus_tokens": int(self.data.numel()),
                 "final_train_ce": summary["history"][level][-1][1] if summary["history"][level] else None,
                 "device": _device_name(self.device), "bf16_autocast": use_amp(args.amp, self.device), "threads": args.threads,
-                "torch": _torch_version()}
+                "torch": torch.__version__}
 
     def held_out(self, name: str, model, record: dict) -> None:
         if self.windows is not None:
@@ -443,12 +445,6 @@ def _device_name(device) -> str:
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
     return device.type
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 def run_family(args) -> int:

@@ -129,6 +129,13 @@ def heldout_windows(tokenizer, seq_len: int = 256, n: int = 64, text: str | None
     return spread_windows(torch.tensor(ids, dtype=torch.long), seq_len, n)
 
 
+def nats_per_char(loss: float, tokenizer, windows) -> float:
+    """A held-out loss in nats per token, as nats per character of the text the windows'
+    predicted tokens decode to: comparable across tokenizers."""
+    predicted = windows[:, 1:]
+    return loss * predicted.numel() / sum(len(tokenizer.decode(w)) for w in predicted)
+
+
 def heldout_losses(models: dict, windows) -> dict:
     from cascade.train.trainer import eval_loss
 
@@ -444,8 +451,7 @@ def run(args) -> int:
         results["loss_windows"] = windows.size(0)
         results["loss_tokens"] = windows.size(0) * args.seq_len
         results["loss_chars"] = sum(len(tokenizer.decode(w[1:])) for w in windows)
-        results["loss_per_char"] = {lv: loss * results["loss_tokens"] / results["loss_chars"]
-                                    for lv, loss in results["loss"].items()}
+        results["loss_per_char"] = {lv: nats_per_char(loss, tokenizer, windows) for lv, loss in results["loss"].items()}
         print("held-out loss:", {k: round(v, 4) for k, v in results["loss"].items()}, flush=True)
     if "decode" not in args.skip:
         results["decode_ms"] = decode_costs(models, len(tokenizer), args.decode_rounds, args.decode_steps)

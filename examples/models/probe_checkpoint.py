@@ -26,7 +26,8 @@ import torch  # noqa: E402
 
 from cascade.repetition import median_repetition  # noqa: E402
 from cascade.train.family import SIZES, make_model  # noqa: E402
-from cascade.train.family_eval import greedy_continuations, heldout_losses, heldout_windows  # noqa: E402
+from cascade.train.family_eval import (  # noqa: E402
+    greedy_continuations, heldout_losses, heldout_windows, nats_per_char)
 from cascade.train.heldout import heldout_text, load_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,8 +76,9 @@ def main(argv=None) -> int:
     prompts = load_prompts(ROOT / "examples" / "prompts" / "heldout.jsonl")[: args.prompts]
     out = {"stage": args.stage, "step": step, "models": {}}
     for name, (tok, model) in rows.items():
-        loss = heldout_losses({name: model}, heldout_windows(tok, seq_len=256, n=args.windows, text=text))[name]
-        per_char = loss * len(tok(text, add_special_tokens=False)["input_ids"]) / len(text)
+        windows = heldout_windows(tok, seq_len=256, n=args.windows, text=text)
+        loss = heldout_losses({name: model}, windows)[name]
+        per_char = nats_per_char(loss, tok, windows)
         gens = greedy_continuations(model, tok, prompts, new_tokens=args.new_tokens)
         rep = median_repetition([g.tolist() for _, g in gens])
         column0 = sum(tok.decode(g[:6]).lstrip("\r\n")[:1] not in (" ", "\t") for _, g in gens)
