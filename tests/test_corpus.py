@@ -9,7 +9,7 @@ import pytest
 from cascade.train import packages
 from cascade.train.corpus import ManifestRow, collect_files, read_manifest, stdlib_root, write_manifest
 
-MANIFEST = Path(__file__).resolve().parents[1] / "examples" / "models" / "CORPUS-rebuild.tsv"
+MANIFEST = Path(__file__).resolve().parents[1] / "examples" / "models" / "CORPUS.tsv"
 
 
 @pytest.mark.parametrize("expression, permissive", [

@@ -87,15 +87,19 @@ def test_tokenizer_round_trips_real_source(tokenizer):
     assert len(ids) < len(src) / 2.5  # BPE learned code: well under one token per 2.5 chars
 
 
-def test_heldout_loss_decreases_with_level(models, tokenizer):
+def test_heldout_loss_decreases_with_level_by_margins(models, tokenizer):
+    """Issue 18: strictly better with each level, large >= 0.10 nats/token below medium and
+    >= 0.40 below tiny, on held-out code (the model card's 64 windows)."""
     from cascade.train.family_eval import heldout_losses, heldout_windows
     from cascade.train.heldout import heldout_text
 
-    windows = heldout_windows(tokenizer, seq_len=256, n=16, text=heldout_text())
+    windows = heldout_windows(tokenizer, seq_len=256, n=64, text=heldout_text())
     losses = heldout_losses(models, windows)
     values = [losses[lv] for lv in LEVELS]
     assert all(a > b for a, b in zip(values, values[1:])), losses
-    assert values[-1] < 0.75 * torch.log(torch.tensor(4096.0)).item()  # well below uniform (8.3 nats)
+    assert losses["medium"] - losses["large"] >= 0.10, losses
+    assert losses["tiny"] - losses["large"] >= 0.40, losses
+    assert values[-1] < 0.5 * torch.log(torch.tensor(4096.0)).item()  # far below uniform (8.3 nats)
 
 
 def test_generation_is_code_like(models, tokenizer):
@@ -108,16 +112,33 @@ def test_generation_is_code_like(models, tokenizer):
     assert any(ch.isalpha() for ch in text)
 
 
-def test_tiny_drafts_often_match_the_large_model(models, tokenizer):
+@pytest.mark.xfail(strict=True, reason="issue 18's looping target is missed: large's greedy continuations "
+                   "have a median repeated-4-gram share of 0.72 (model card, 60 prompts); strict, so a family "
+                   "that meets it turns this into a failure to remove the mark")
+def test_large_greedy_text_loops_little(models, tokenizer):
+    """Issue 18: large's greedy continuations of held-out prompts (96 tokens) repeat little:
+    median repeated-4-gram share <= 0.30 (every fourth prompt here; the model card takes all)."""
+    from cascade.repetition import median_repetition
+    from cascade.train.family_eval import greedy_continuations
+    from cascade.train.heldout import load_prompts
+
+    prompts = load_prompts(PROMPTS / "heldout.jsonl")[::4]
+    conts = [g.tolist() for _, g in greedy_continuations(models["large"], tokenizer, prompts, 96)]
+    assert median_repetition(conts) <= 0.30
+
+
+def test_adjacent_levels_agree(models, tokenizer):
+    """Issue 18: each level's drafts are accepted by the level above >= 60% of the time,
+    greedy and at T = 0.8."""
     from cascade.train.family_eval import acceptance_matrix
     from cascade.train.heldout import load_prompts
 
-    prompts = load_prompts(PROMPTS / "heldout.jsonl")[:4]
-    acc = acceptance_matrix({"tiny": models["tiny"], "large": models["large"]}, tokenizer, prompts,
-                            new_tokens=16, temperature=0.8)
+    prompts = load_prompts(PROMPTS / "heldout.jsonl")[::6]
+    acc = acceptance_matrix(models, tokenizer, prompts, new_tokens=32, temperature=0.8)
     assert acc["greedy"]["tiny"]["tiny"] == 1.0
-    assert acc["greedy"]["tiny"]["large"] > 0.5, acc
-    assert 0.5 < acc["sampled"]["tiny"]["large"] <= 1.0
+    for drafter, verifier in zip(LEVELS, LEVELS[1:]):
+        for mode in ("greedy", "sampled"):
+            assert 0.6 <= acc[mode][drafter][verifier] <= 1.0, (mode, drafter, verifier, acc[mode])
 
 
 def test_prompt_sets():
@@ -130,11 +151,11 @@ def test_prompt_sets():
         assert r["prompt"].strip() and r["license"] in {"MIT", "BSD-3-Clause"}
     files = lambda rs: {r["source"].rsplit(":", 1)[0] for r in rs}  # noqa: E731
     assert not files(heldout) & files(tuning)
-    # none of it is in the training corpus (the standard library)
-    from cascade.train.corpus import stdlib_files
+    # none of it is in the training corpus (the manifest the family was trained on)
+    from cascade.train.corpus import read_manifest
     from cascade.train.heldout import TUNING_SOURCES, heldout_files, source_files
 
-    train = {p.resolve() for p in stdlib_files()}
+    train = {row.file().resolve() for row in read_manifest(FAMILY / "CORPUS.tsv")}
     held = {p.resolve() for p in heldout_files()} | {p.resolve() for _, _, p in source_files(TUNING_SOURCES)}
     assert held and not held & train
     assert all("site-packages" in p.parts for p in held)

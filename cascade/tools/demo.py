@@ -15,9 +15,9 @@ from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 
 DEFAULT_PROMPTS = "examples/prompts/heldout.jsonl"
-ABOUT_THE_MODELS = ("The bundled models are tiny (0.7-11.6 M parameters), trained from scratch on a CPU on the "
-                    "Python standard library to exercise the cascade: not a coding assistant, and their text "
-                    "shows it.")
+ABOUT_THE_MODELS = ("The bundled models are tiny (0.7-11.6 M parameters), trained from scratch on a CPU on "
+                    "19 M tokens of permissively licensed Python (the standard library and the dependencies' code) "
+                    "to exercise the cascade: not a coding assistant, and their text shows it.")
 
 
 def add_parser(sub) -> None:

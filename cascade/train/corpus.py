@@ -1,7 +1,7 @@
 """Training corpora, the byte-level BPE tokenizer and token datasets for ``cascade distill``.
 
-The bundled model family is trained on the pure-Python part of the CPython standard library
-that ships with the interpreter (PSF License).  ``stdlib_files()`` selects it reproducibly:
+The default corpus is the pure-Python part of the CPython standard library that ships with the
+interpreter (PSF License).  ``stdlib_files()`` selects it reproducibly:
 every ``*.py`` under ``sysconfig.get_paths()["stdlib"]``, excluding installed third-party
 packages (``site-packages``/``dist-packages``), test suites and a few tool directories whose
 contents are mostly test data or generated tables (see ``STDLIB_EXCLUDED_DIRS``).
@@ -9,7 +9,8 @@ contents are mostly test data or generated tables (see ``STDLIB_EXCLUDED_DIRS``)
 A corpus can also be a manifest (``manifest:PATH``): a list of files with their package, version
 and licence, relative to the stdlib or site-packages of this interpreter (written by
 :mod:`cascade.train.packages` for the family rebuild), so that what is trained on is fixed in the
-repository rather than by what happens to be installed.
+repository rather than by what happens to be installed.  The bundled family is trained on one:
+``examples/models/CORPUS.tsv``.
 
 Heavy imports (torch, tokenizers, transformers) happen inside the functions that need them.
 """

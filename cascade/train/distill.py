@@ -67,8 +67,9 @@ def add_parser(sub) -> None:
         ),
         epilog=(
             "examples:\n"
-            "  # rebuild the bundled family (tokenizer, large from scratch, medium/small/tiny distilled)\n"
-            "  cascade distill --family examples/models --corpus stdlib --eval-corpus pkg:attr\n"
+            "  # build a family (tokenizer, large from scratch, medium/small/tiny distilled); the bundled\n"
+            "  # one's full command, with its step counts, is examples/models/rebuild.sh\n"
+            "  cascade distill --family runs/family --corpus manifest:examples/models/CORPUS.tsv --eval-corpus pkg:attr\n"
             "  # one student (or several: repeat --size/--out) against any HF causal-LM teacher\n"
             "  cascade distill --teacher examples/models/large --size tiny --corpus stdlib --out runs/tiny\n"
             "  cascade distill --teacher my/teacher --size 2x96 --size 4x128 --corpus src/ --steps 2000\n"
@@ -107,7 +108,7 @@ def add_parser(sub) -> None:
                       help="files or directories of text/code; the word 'stdlib' selects the Python "
                       "standard library shipped with this interpreter (tests, idlelib, lib2to3 excluded); "
                       "pkg:NAME an installed package; manifest:PATH the files a corpus manifest lists "
-                      "(e.g. examples/models/CORPUS-rebuild.tsv, see python -m cascade.train.packages)")
+                      "(e.g. examples/models/CORPUS.tsv, see python -m cascade.train.packages)")
     data.add_argument("--eval-corpus", nargs="*", default=None, metavar="PATH",
                       help="held-out files/directories/pkg:NAME for the end-of-training loss report")
     data.add_argument("--seq-len", type=int, default=256)

@@ -1,7 +1,8 @@
 """Held-out code (not in the training corpus) and the prompt sets built from it.
 
-The family is trained on the CPython standard library only.  Held-out code comes from
-permissively licensed third-party packages installed in this environment:
+The family is trained on the manifest ``examples/models/CORPUS.tsv`` (the standard library and the
+dependencies' code), which leaves these packages out.  Held-out code comes from permissively
+licensed third-party packages installed in this environment:
 
 * ``examples/prompts/heldout.jsonl`` and the held-out loss text: ``networkx`` (BSD-3-Clause,
   ``networkx/algorithms/{shortest_paths,traversal,flow,components,centrality}``, test files

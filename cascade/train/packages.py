@@ -269,7 +269,7 @@ def select_sources(cap_bytes: int = DEFAULT_CAP_BYTES) -> tuple[list[ManifestRow
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    out = Path(argv[0] if argv else "examples/models/CORPUS-rebuild.tsv")
+    out = Path(argv[0] if argv else "examples/models/CORPUS.tsv")
     rows, left_out = select_sources()
     notes = [f"left out, {why}: {', '.join(sorted(names)) or 'none'}" for why, names in left_out.items()]
     notes.append(f"per-distribution cap: {DEFAULT_CAP_BYTES:,} bytes of source (a hash-ordered subset above it)")

@@ -15,8 +15,9 @@
 # pure function of (seed, step), and finished stages are skipped. The step counts below fix the
 # cosine schedules, so keep them (and the corpus manifest) unchanged across resumes; changing
 # them needs a fresh REBUILD_DIR. (Once, to fit the time left: large went from 10,000 to 8,500
-# steps at step 4,242, its learning rate dropping from 1.02e-3 to 8.5e-4 there, and the students,
-# not yet started, from 6,000 to 3,000.) It trains at the lowest priority (nice 19), so it only takes CPU
+# steps at step 4,242, its learning rate dropping from 1.02e-3 to 8.5e-4 there; the students, from
+# 6,000 to 3,000 before they started, then to 2,000 at their step 148, still in warm-up, when
+# they turned out to take 1.25 s a step.) It trains at the lowest priority (nice 19), so it only takes CPU
 # that nothing else wants, on THREADS threads (default 1). THREADS is not part of the schedule: stop
 # and resume with THREADS=2 while the machine is otherwise idle (large: 0.9 s/step on 2 threads,
 # 1.6 s on 1), but keep 1 while anything else runs: a niced second thread that shares a core with
@@ -62,10 +63,10 @@ export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS RAYON_NUM_THREADS=1 TOK
 # `cascade distill`, through the package (no dependence on the console script being on PATH)
 nohup nice -n 19 python -c 'import sys; from cascade.cli import main; sys.exit(main())' distill \
   --family "$REBUILD_DIR/family" \
-  --corpus manifest:examples/models/CORPUS-rebuild.tsv \
+  --corpus manifest:examples/models/CORPUS.tsv \
   --eval-corpus "${HELDOUT[@]}" \
   --vocab-size 4096 --seq-len 256 --batch-size 8 \
-  --teacher-steps 8500 --student-steps 3000 --warmup 200 \
+  --teacher-steps 8500 --student-steps 2000 --warmup 200 \
   --amp bf16 --threads "$THREADS" --device cpu \
   --work-dir "$WORK" --checkpoint-minutes 5 --no-progress \
   >>"$LOG" 2>&1 &
