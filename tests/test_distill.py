@@ -243,7 +243,9 @@ def test_help_documents_the_family_command(capsys):
     out = capsys.readouterr().out
     for flag in ("--family", "--teacher", "--size", "--corpus", "--resume", "--device", "--seed"):
         assert flag in out
-    assert "cascade distill --family examples/models" in " ".join(out.split())
+    text = " ".join(out.split())
+    assert "cascade distill --family runs/family --corpus manifest:examples/models/CORPUS.tsv" in text
+    assert "examples/models/rebuild.sh" in text  # where the bundled family's full command is
 
 
 def test_ensemble_teacher_averages_probabilities(teacher_dir):
