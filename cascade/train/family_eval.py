@@ -129,11 +129,17 @@ def heldout_windows(tokenizer, seq_len: int = 256, n: int = 64, text: str | None
     return spread_windows(torch.tensor(ids, dtype=torch.long), seq_len, n)
 
 
-def nats_per_char(loss: float, tokenizer, windows) -> float:
+def predicted_chars(tokenizer, windows) -> int:
+    """Characters of the text the windows' predicted tokens (all but each window's first) decode to."""
+    return sum(len(tokenizer.decode(w)) for w in windows[:, 1:])
+
+
+def nats_per_char(loss: float, tokenizer, windows, chars: int | None = None) -> float:
     """A held-out loss in nats per token, as nats per character of the text the windows'
-    predicted tokens decode to: comparable across tokenizers."""
-    predicted = windows[:, 1:]
-    return loss * predicted.numel() / sum(len(tokenizer.decode(w)) for w in predicted)
+    predicted tokens decode to (``chars``: :func:`predicted_chars`, when already counted):
+    comparable across tokenizers."""
+    chars = predicted_chars(tokenizer, windows) if chars is None else chars
+    return loss * windows[:, 1:].numel() / chars
 
 
 def heldout_losses(models: dict, windows) -> dict:
@@ -450,8 +456,9 @@ def run(args) -> int:
         results["loss"] = heldout_losses(models, windows)
         results["loss_windows"] = windows.size(0)
         results["loss_tokens"] = windows.size(0) * args.seq_len
-        results["loss_chars"] = sum(len(tokenizer.decode(w[1:])) for w in windows)
-        results["loss_per_char"] = {lv: nats_per_char(loss, tokenizer, windows) for lv, loss in results["loss"].items()}
+        results["loss_chars"] = chars = predicted_chars(tokenizer, windows)
+        results["loss_per_char"] = {lv: nats_per_char(loss, tokenizer, windows, chars)
+                                    for lv, loss in results["loss"].items()}
         print("held-out loss:", {k: round(v, 4) for k, v in results["loss"].items()}, flush=True)
     if "decode" not in args.skip:
         results["decode_ms"] = decode_costs(models, len(tokenizer), args.decode_rounds, args.decode_steps)
