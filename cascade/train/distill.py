@@ -1,6 +1,6 @@
 """``cascade distill``: train draft models aligned to an authority model by distillation.
 
-Three ways to use it (see ``cascade distill --help``):
+Four ways to use it (see ``cascade distill --help``):
 
 * one student against any HF causal-LM teacher::
 
@@ -15,6 +15,12 @@ Three ways to use it (see ``cascade distill --help``):
   and tiny distilled from the large model, sharing one teacher forward per batch)::
 
       cascade distill --family examples/models --corpus stdlib
+
+* a model continued (``--teacher none --init DIR``) with cross-entropy, every K-th step a
+  sequence-level unlikelihood step that trains it away from its own greedy loops
+  (``--unlikelihood-every K``, :mod:`cascade.train.unlikelihood`)::
+
+      cascade distill --teacher none --init runs/family/large --unlikelihood-every 2 --corpus src/ --out runs/ul
 
 Every stage checkpoints into ``--work-dir`` (default ``runs/distill``) every
 ``--checkpoint-minutes`` and on SIGTERM; re-running the same command resumes from the last checkpoint
@@ -78,6 +84,10 @@ def add_parser(sub) -> None:
             "      --lr 1e-3 --max-minutes 45 --seed 1 --out runs/tiny-more\n"
             "  # from scratch with cross-entropy, reusing a tokenizer\n"
             "  cascade distill --teacher none --tokenizer examples/models/large --size 2x128 --corpus src/\n"
+            "  # continue a model with cross-entropy, every 2nd step trained away from its own greedy loops\n"
+            "  # (sequence-level unlikelihood; the bundled large's stage 2 is examples/models/unlikelihood.sh)\n"
+            "  cascade distill --teacher none --init runs/family/large --unlikelihood-every 2 --lr 3e-4 \\\n"
+            "      --steps 800 --corpus src/ --out runs/large-ul\n"
             "  # measure a family (numbers of examples/models/README.md)\n"
             "  cascade model-card examples/models"
         ),
@@ -139,6 +149,13 @@ def add_parser(sub) -> None:
                      help="loss = w * T^2 * KL(teacher || student) + (1-w) * CE")
     opt.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
     opt.add_argument("--seed", type=int, default=0)
+    opt.add_argument("--unlikelihood-every", type=int, default=0, metavar="K",
+                     help="every K-th step is a sequence-level unlikelihood step instead (cascade.train."
+                     "unlikelihood): the model writes greedy continuations of corpus prefixes and is "
+                     "trained away from their repeated 4-grams, so that its greedy text loops less; "
+                     "0 = off. Typically with --teacher none --init DIR")
+    opt.add_argument("--rollout-prefix", type=int, default=48, help="unlikelihood steps: prefix tokens per row")
+    opt.add_argument("--rollout-tokens", type=int, default=96, help="unlikelihood steps: greedy tokens written per row")
 
     run_g = p.add_argument_group("running")
     run_g.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
@@ -165,13 +182,22 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     if args.family:
+        if args.unlikelihood_every:
+            print("cascade distill: --unlikelihood-every trains one model (--init DIR, or --size); a family's "
+                  "students follow their teacher by distillation", file=sys.stderr)
+            return 2
         return run_family(args)
     if not args.teacher:
         print("cascade distill: give --teacher DIR|none (or --family DIR)", file=sys.stderr)
         return 2
-    if args.init and (args.size or args.teacher.lower() == "none"):
-        print("cascade distill: --init takes the student's shape from the model it names: no --size; "
-              "and it needs a --teacher", file=sys.stderr)
+    if args.init and args.size:
+        print("cascade distill: --init takes the student's shape from the model it names: no --size",
+              file=sys.stderr)
+        return 2
+    bad_rollout = not 0 < args.rollout_prefix <= args.seq_len or args.rollout_tokens < 8
+    if args.unlikelihood_every < 0 or (args.unlikelihood_every and bad_rollout):
+        print("cascade distill: --unlikelihood-every must be >= 0, --rollout-prefix within 1..--seq-len and "
+              "--rollout-tokens >= 8", file=sys.stderr)
         return 2
     if not args.size and not args.init:
         print("cascade distill: give at least one --size (or --init DIR)", file=sys.stderr)
@@ -234,7 +260,9 @@ def _optimisation(args, device, lr: float, warmup: int, kl_weight: float | None 
     return Optimisation(
         lr=lr, warmup=warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, kl_weight=args.kl_weight if kl_weight is None else kl_weight,
-        temperature=args.temperature if temperature is None else temperature, amp=use_amp(args.amp, device))
+        temperature=args.temperature if temperature is None else temperature, amp=use_amp(args.amp, device),
+        unlikelihood_every=args.unlikelihood_every, rollout_prefix=args.rollout_prefix,
+        rollout_tokens=args.rollout_tokens)
 
 
 def _session(args, ckpt_path: Path, minutes: float | None, desc: str) -> Session:
@@ -309,6 +337,20 @@ def run_single(args) -> int:
     return 0
 
 
+def _corpus_steps(args, steps: int) -> int:
+    """Of ``steps``, those that trained on corpus windows (the rest were unlikelihood steps)."""
+    return steps - (steps // args.unlikelihood_every if args.unlikelihood_every else 0)
+
+
+def _unlikelihood_record(args, steps: int) -> dict | None:
+    """training.json's account of the unlikelihood steps among ``steps`` (None when off)."""
+    if not args.unlikelihood_every:
+        return None
+    n = steps // args.unlikelihood_every
+    return {"every": args.unlikelihood_every, "steps": n, "rollout_prefix": args.rollout_prefix,
+            "rollout_tokens": args.rollout_tokens, "ngram": 4}
+
+
 def _single_tokenizer_and_teacher(args, work_dir: Path):
     """(tokenizer, teacher model or None): the teacher's tokenizer, --tokenizer, or (from scratch
     without one) a BPE trained on the corpus and kept in the work dir."""
@@ -320,8 +362,8 @@ def _single_tokenizer_and_teacher(args, work_dir: Path):
         if teacher.get_input_embeddings().weight.shape[0] < len(tokenizer):
             raise SystemExit("cascade distill: the teacher's vocabulary is smaller than the tokenizer's")
         return tokenizer, teacher
-    if args.tokenizer:
-        return load_tokenizer(args.tokenizer), None
+    if args.tokenizer or args.init:
+        return load_tokenizer(args.tokenizer or args.init), None
     tok_dir = work_dir / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists() or args.restart:
         _train_tokenizer(args.corpus, tok_dir, args.vocab_size, work_dir)
@@ -333,7 +375,7 @@ def _single_init(args, teacher):
     if not args.init:
         return None, None
     init = _load_float32(args.init)
-    if init.config.vocab_size != teacher.config.vocab_size:
+    if teacher is not None and init.config.vocab_size != teacher.config.vocab_size:
         raise SystemExit(f"cascade distill: --init {args.init} has a vocabulary of {init.config.vocab_size}, "
                          f"the teacher {teacher.config.vocab_size}")
     c = init.config
@@ -383,7 +425,8 @@ def _save_single(args, students, outs, sizes, summary, tokenizer, lr: float, scr
                  "teacher": None if scratch else str(args.teacher), "kl_weight": args.kl_weight,
                  "init": args.init, "init_training": _training_record(args.init),
                  "temperature": args.temperature, "lr": lr, "seed": args.seed,
-                 "train_tokens": summary["steps"] * args.batch_size * args.seq_len,
+                 "train_tokens": _corpus_steps(args, summary["steps"]) * args.batch_size * args.seq_len,
+                 "unlikelihood": _unlikelihood_record(args, summary["steps"]),
                  "train_seconds": round(summary["train_seconds"], 1), "corpus": list(args.corpus),
                  "final_train_ce": summary["history"][name][-1][1] if summary["history"][name] else None}
         if windows is not None:

@@ -347,7 +347,12 @@ def check_targets(results: dict) -> dict:
 
 def _teacher_text(meta: dict) -> str:
     if meta.get("init_training"):  # continued from an earlier model (`cascade distill --init`)
-        return (f"{_teacher_text(meta['init_training'])}, then distilled further from {meta.get('teacher')} "
+        earlier = _teacher_text(meta["init_training"])
+        if meta.get("teacher") is None:
+            ul = meta.get("unlikelihood")
+            how = "cross-entropy" + (f" with a sequence-level unlikelihood step every {ul['every']}" if ul else "")
+            return f"{earlier}, then trained further ({meta.get('steps')} steps, {how})"
+        return (f"{earlier}, then distilled further from {meta.get('teacher')} "
                 f"({meta.get('steps')} steps, KL weight {meta.get('kl_weight')})")
     text = meta.get("teacher") or "none (cross-entropy)"
     if meta.get("refine"):

@@ -24,6 +24,11 @@ class Optimisation:
     With a teacher the loss is ``kl_weight * T^2 * KL(p_teacher^T || p_student^T) +
     (1 - kl_weight) * CE`` (``T`` = ``temperature``); without one it is plain cross-entropy.
     ``amp``: forwards under bfloat16 autocast.
+
+    ``unlikelihood_every`` = K > 0 makes every K-th step a sequence-level unlikelihood step
+    (:mod:`cascade.train.unlikelihood`) instead: each student writes greedy continuations of
+    ``rollout_tokens`` tokens from the batch rows' first ``rollout_prefix`` tokens and is trained
+    away from the tokens of their repeated 4-grams.
     """
 
     lr: float
@@ -34,6 +39,12 @@ class Optimisation:
     kl_weight: float = 0.8
     temperature: float = 1.0
     amp: bool = False
+    unlikelihood_every: int = 0
+    rollout_prefix: int = 48
+    rollout_tokens: int = 96
+
+    def unlikelihood_step(self, step: int) -> bool:
+        return self.unlikelihood_every > 0 and step % self.unlikelihood_every == self.unlikelihood_every - 1
 
 
 @dataclass(frozen=True)
@@ -116,8 +127,11 @@ def train_students(students: dict, teacher, sampler, steps: int, opt: Optimisati
                 return _summary(step, ckpt.history, clock, interrupted=True)
             lr = lr_at(step, steps, opt.lr, opt.warmup, opt.min_lr_ratio, clock.progress(step, steps, opt.warmup))
             batch = sampler.batch(step).to(device)
-            post = _train_step(students, ckpt.optims, teacher, batch, lr, opt, running, device)
-            tokens += batch[:, :-1].numel()
+            if opt.unlikelihood_step(step):
+                post = _unlikelihood_step(students, ckpt.optims, batch, lr, opt, running, device)
+            else:
+                post = _train_step(students, ckpt.optims, teacher, batch, lr, opt, running, device)
+                tokens += batch[:, :-1].numel()
             done = step + 1
             bar.update(1)
             bar.set_postfix(post, refresh=False)
@@ -146,6 +160,35 @@ def _train_step(students: dict, optims: dict, teacher, batch, lr: float, opt: Op
         val = ce.item()
         running[name] = val if running[name] is None else 0.95 * running[name] + 0.05 * val
         post[name] = f"{running[name]:.3f}" + (f"/kl{kl.item():.3f}" if kl is not None else "")
+    return post
+
+
+def _unlikelihood_step(students: dict, optims: dict, batch, lr: float, opt: Optimisation, running: dict,
+                       device) -> dict[str, str]:
+    """One sequence-level unlikelihood step of every student (:mod:`cascade.train.unlikelihood`) on
+    its own greedy continuations of the rows of ``batch``; the postfix shows the share of their
+    tokens inside repeated 4-grams."""
+    import torch
+
+    from cascade.train.unlikelihood import rollout_batch, unlikelihood_loss
+
+    post = {}
+    for name, model in students.items():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=opt.amp):
+            x, targets, negative, share = rollout_batch(model, batch, opt.rollout_prefix, opt.rollout_tokens)
+        for group in optims[name].param_groups:
+            group["lr"] = lr
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=opt.amp):
+            logits = model(input_ids=x).logits[:, opt.rollout_prefix - 1:]
+        loss = unlikelihood_loss(logits.float(), targets, negative.to(device))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+        optims[name].step()
+        optims[name].zero_grad(set_to_none=True)
+        key = f"{name}_loop"
+        running[key] = share if running.get(key) is None else 0.9 * running[key] + 0.1 * share
+        post[name] = f"{running[name]:.3f}" if running.get(name) is not None else "-"
+        post[name] += f"/loop{running[key]:.2f}"
     return post
 
 
