@@ -180,6 +180,14 @@ def test_init_continues_from_an_existing_student(tmp_path, teacher_dir, corpus_d
     assert _teacher_text(info) == f"{teacher_dir}, then distilled further from {teacher_dir} (6 steps, KL weight 0.8)"
     # a shape of its own is a contradiction
     assert distill.main(args(tmp_path / "x", tmp_path / "w4", "--size", "1x32")) == 2
+    # several at once, one --out each, against one teacher forward per batch
+    a = _args(teacher_dir, corpus_dir, tmp_path / "w5", tmp_path / "two-a")
+    i = a.index("--size")
+    a = a[:i] + ["--init", str(first), "--init", str(trained)] + a[i + 2:] + ["--out", str(tmp_path / "two-b")]
+    assert distill.main(a) == 0
+    for out, init in (("two-a", first), ("two-b", trained)):
+        assert json.loads((tmp_path / out / "training.json").read_text())["init"] == str(init)
+    assert any(not torch.equal(c[k], load(tmp_path / "two-b").state_dict()[k]) for k in c)
 
 
 def test_from_scratch_mode(tmp_path, teacher_dir, corpus_dir):

@@ -103,10 +103,11 @@ def add_parser(sub) -> None:
     mode.add_argument("--size", action="append", metavar="SIZE",
                       help=f"student size: a preset {list(SIZES)} or LAYERSxHIDDEN[xHEADS[xFFN]]; "
                       "repeat to train several students against one teacher forward")
-    mode.add_argument("--init", metavar="DIR",
+    mode.add_argument("--init", action="append", metavar="DIR",
                       help="start the student from this model (same tokenizer) instead of a random "
                       "init: continue distilling an existing drafter, e.g. against a retrained "
-                      "teacher; its shape replaces --size")
+                      "teacher; its shape replaces --size. Repeat (with one --out each) to continue "
+                      "several against one teacher forward")
     mode.add_argument("--out", action="append", metavar="DIR",
                       help="output directory per --size (same order); default WORK_DIR/<size>")
     mode.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the teacher's; "
@@ -318,8 +319,8 @@ def run_single(args) -> int:
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, teacher = _single_tokenizer_and_teacher(args, work_dir)
-    init, init_size = _single_init(args, teacher)
-    names, sizes, outs = _single_plan(args, init_size, work_dir)
+    init, init_sizes = _single_init(args, teacher)
+    names, sizes, outs = _single_plan(args, init_sizes, work_dir)
     files, data = load_corpus_tokens(args.corpus, tokenizer, work_dir, "train")
     log(f"corpus: {len(files)} files, {data.numel():,} tokens", work_dir)
     sampler = WindowSampler(data, args.seq_len, args.batch_size, seed=args.seed)
@@ -363,7 +364,7 @@ def _single_tokenizer_and_teacher(args, work_dir: Path):
             raise SystemExit("cascade distill: the teacher's vocabulary is smaller than the tokenizer's")
         return tokenizer, teacher
     if args.tokenizer or args.init:
-        return load_tokenizer(args.tokenizer or args.init), None
+        return load_tokenizer(args.tokenizer or args.init[0]), None
     tok_dir = work_dir / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists() or args.restart:
         _train_tokenizer(args.corpus, tok_dir, args.vocab_size, work_dir)
@@ -371,24 +372,29 @@ def _single_tokenizer_and_teacher(args, work_dir: Path):
 
 
 def _single_init(args, teacher):
-    """(the --init model, its shape), or (None, None); the model's name becomes the one --size."""
+    """([the --init models], [their shapes]), or (None, None); each model's directory name
+    becomes its --size (its name)."""
     if not args.init:
         return None, None
-    init = _load_float32(args.init)
-    if teacher is not None and init.config.vocab_size != teacher.config.vocab_size:
-        raise SystemExit(f"cascade distill: --init {args.init} has a vocabulary of {init.config.vocab_size}, "
-                         f"the teacher {teacher.config.vocab_size}")
-    c = init.config
-    args.size = [Path(args.init).name or "init"]
-    return init, dict(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
-                      intermediate=c.intermediate_size)
+    models, sizes = [], []
+    for path in args.init:
+        init = _load_float32(path)
+        if teacher is not None and init.config.vocab_size != teacher.config.vocab_size:
+            raise SystemExit(f"cascade distill: --init {path} has a vocabulary of {init.config.vocab_size}, "
+                             f"the teacher {teacher.config.vocab_size}")
+        c = init.config
+        models.append(init)
+        sizes.append(dict(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
+                          intermediate=c.intermediate_size))
+    args.size = [Path(path).name or "init" for path in args.init]
+    return models, sizes
 
 
-def _single_plan(args, init_size: dict | None, work_dir: Path):
+def _single_plan(args, init_sizes: list | None, work_dir: Path):
     """(names, sizes, output dirs) of the students, one each per --size."""
     from cascade.train.family import parse_size
 
-    sizes = [init_size] if init_size else [parse_size(s) for s in args.size]
+    sizes = init_sizes or [parse_size(s) for s in args.size]
     outs = args.out or []
     if len(outs) not in (0, len(sizes)):
         raise SystemExit("cascade distill: give one --out per --size (or none)")
@@ -404,8 +410,8 @@ def _single_students(args, names, sizes, tokenizer, teacher, init, work_dir: Pat
     students = {}
     for i, (name, size) in enumerate(zip(names, sizes)):
         if init is not None:
-            students[name] = init
-            log(f"student {name}: initialised from {args.init}", work_dir)
+            students[name] = init[i]
+            log(f"student {name}: initialised from {args.init[i]}", work_dir)
             continue
         students[name] = make_model(size, tokenizer, seed=args.seed + 1 + i, max_positions=max(1024, args.seq_len))
         if teacher is not None and students[name].config.vocab_size != teacher.config.vocab_size:
@@ -420,10 +426,11 @@ def _save_single(args, students, outs, sizes, summary, tokenizer, lr: float, scr
 
     work_dir = Path(args.work_dir)
     windows = _eval_windows(args, tokenizer, work_dir)
-    for (name, model), out, size in zip(students.items(), outs, sizes):
+    inits = args.init or [None] * len(outs)
+    for (name, model), out, size, init in zip(students.items(), outs, sizes, inits):
         extra = {"size": size, "steps": summary["steps"], "seq_len": args.seq_len, "batch_size": args.batch_size,
                  "teacher": None if scratch else str(args.teacher), "kl_weight": args.kl_weight,
-                 "init": args.init, "init_training": _training_record(args.init),
+                 "init": init, "init_training": _training_record(init),
                  "temperature": args.temperature, "lr": lr, "seed": args.seed,
                  "train_tokens": _corpus_steps(args, summary["steps"]) * args.batch_size * args.seq_len,
                  "unlikelihood": _unlikelihood_record(args, summary["steps"]),
