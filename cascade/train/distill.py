@@ -334,7 +334,7 @@ def run_single(args) -> int:
         device)
     if summary["interrupted"]:
         return 0
-    _save_single(args, students, outs, sizes, summary, tokenizer, lr, teacher is None)
+    _save_single(args, students, outs, sizes, summary, tokenizer, lr, teacher is None, device)
     return 0
 
 
@@ -420,7 +420,15 @@ def _single_students(args, names, sizes, tokenizer, teacher, init, work_dir: Pat
     return students
 
 
-def _save_single(args, students, outs, sizes, summary, tokenizer, lr: float, scratch: bool) -> None:
+def _run_record(args, device) -> dict:
+    """Where and how a model was trained, for its training.json."""
+    import torch
+
+    return {"device": _device_name(device), "bf16_autocast": use_amp(args.amp, device), "threads": args.threads,
+            "torch": torch.__version__}
+
+
+def _save_single(args, students, outs, sizes, summary, tokenizer, lr: float, scratch: bool, device) -> None:
     """Each student with its training.json (and held-out loss, given --eval-corpus) to its --out."""
     from cascade.train.family import save_model
 
@@ -435,7 +443,8 @@ def _save_single(args, students, outs, sizes, summary, tokenizer, lr: float, scr
                  "train_tokens": _corpus_steps(args, summary["steps"]) * args.batch_size * args.seq_len,
                  "unlikelihood": _unlikelihood_record(args, summary["steps"]),
                  "train_seconds": round(summary["train_seconds"], 1), "corpus": list(args.corpus),
-                 "final_train_ce": summary["history"][name][-1][1] if summary["history"][name] else None}
+                 "final_train_ce": summary["history"][name][-1][1] if summary["history"][name] else None,
+                 **_run_record(args, device)}
         if windows is not None:
             extra["eval_loss"] = eval_loss(model, windows)
             log(f"{name}: held-out loss {extra['eval_loss']:.4f}", work_dir)
@@ -469,8 +478,6 @@ class _Family:
 
     def record(self, level: str, summary: dict, lr: float, teacher: str | None) -> dict:
         """The training.json of a level trained by one stage."""
-        import torch
-
         args, steps = self.args, summary["steps"]
         return {"level": level, "size": self.sizes[level], "steps": steps, "seq_len": args.seq_len,
                 "batch_size": args.batch_size, "train_tokens": steps * args.batch_size * args.seq_len,
@@ -479,8 +486,7 @@ class _Family:
                 "temperature": None if teacher is None else args.temperature,
                 "corpus": list(args.corpus), "corpus_files": self.n_files, "corpus_tokens": int(self.data.numel()),
                 "final_train_ce": summary["history"][level][-1][1] if summary["history"][level] else None,
-                "device": _device_name(self.device), "bf16_autocast": use_amp(args.amp, self.device), "threads": args.threads,
-                "torch": torch.__version__}
+                **_run_record(args, self.device)}
 
     def held_out(self, name: str, model, record: dict) -> None:
         if self.windows is not None:
