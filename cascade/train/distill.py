@@ -326,30 +326,26 @@ def run_single(args) -> int:
     sampler = WindowSampler(data, args.seq_len, args.batch_size, seed=args.seed)
     students = _single_students(args, names, sizes, tokenizer, teacher, init, work_dir)
     lr = args.lr if args.lr is not None else (1.5e-3 if teacher is None else 2e-3)
+    opt = _optimisation(args, device, lr, warmup=min(args.warmup, max(1, args.steps // 10)))
     summary = train_students(
-        students, teacher, sampler, args.steps,
-        _optimisation(args, device, lr, warmup=min(args.warmup, max(1, args.steps // 10))),
+        students, teacher, sampler, args.steps, opt,
         _session(args, work_dir / "checkpoint.pt", args.max_minutes,
                  "distill" if teacher is not None else "train"),
         device)
     if summary["interrupted"]:
         return 0
-    _save_single(args, students, outs, sizes, summary, tokenizer, lr, teacher is None, device)
+    _save_single(args, students, outs, sizes, summary, tokenizer, lr, teacher is None, device, opt)
     return 0
 
 
-def _corpus_steps(args, steps: int) -> int:
-    """Of ``steps``, those that trained on corpus windows (the rest were unlikelihood steps)."""
-    return steps - (steps // args.unlikelihood_every if args.unlikelihood_every else 0)
-
-
-def _unlikelihood_record(args, steps: int) -> dict | None:
+def _unlikelihood_record(opt: Optimisation, steps: int) -> dict | None:
     """training.json's account of the unlikelihood steps among ``steps`` (None when off)."""
-    if not args.unlikelihood_every:
+    from cascade.train.unlikelihood import NGRAM
+
+    if not opt.unlikelihood_every:
         return None
-    n = steps // args.unlikelihood_every
-    return {"every": args.unlikelihood_every, "steps": n, "rollout_prefix": args.rollout_prefix,
-            "rollout_tokens": args.rollout_tokens, "ngram": 4}
+    return {"every": opt.unlikelihood_every, "steps": opt.unlikelihood_steps(steps),
+            "rollout_prefix": opt.rollout_prefix, "rollout_tokens": opt.rollout_tokens, "ngram": NGRAM}
 
 
 def _single_tokenizer_and_teacher(args, work_dir: Path):
@@ -428,7 +424,8 @@ def _run_record(args, device) -> dict:
             "torch": torch.__version__}
 
 
-def _save_single(args, students, outs, sizes, summary, tokenizer, lr: float, scratch: bool, device) -> None:
+def _save_single(args, students, outs, sizes, summary, tokenizer, lr: float, scratch: bool, device,
+                 opt: Optimisation) -> None:
     """Each student with its training.json (and held-out loss, given --eval-corpus) to its --out."""
     from cascade.train.family import save_model
 
@@ -440,8 +437,9 @@ def _save_single(args, students, outs, sizes, summary, tokenizer, lr: float, scr
                  "teacher": None if scratch else str(args.teacher), "kl_weight": args.kl_weight,
                  "init": init, "init_training": _training_record(init),
                  "temperature": args.temperature, "lr": lr, "seed": args.seed,
-                 "train_tokens": _corpus_steps(args, summary["steps"]) * args.batch_size * args.seq_len,
-                 "unlikelihood": _unlikelihood_record(args, summary["steps"]),
+                 "train_tokens": (summary["steps"] - opt.unlikelihood_steps(summary["steps"]))
+                 * args.batch_size * args.seq_len,
+                 "unlikelihood": _unlikelihood_record(opt, summary["steps"]),
                  "train_seconds": round(summary["train_seconds"], 1), "corpus": list(args.corpus),
                  "final_train_ce": summary["history"][name][-1][1] if summary["history"][name] else None,
                  **_run_record(args, device)}

@@ -46,6 +46,10 @@ class Optimisation:
     def unlikelihood_step(self, step: int) -> bool:
         return self.unlikelihood_every > 0 and step % self.unlikelihood_every == self.unlikelihood_every - 1
 
+    def unlikelihood_steps(self, steps: int) -> int:
+        """How many of steps 0..steps-1 are unlikelihood steps."""
+        return steps // self.unlikelihood_every if self.unlikelihood_every > 0 else 0
+
 
 @dataclass(frozen=True)
 class Session:
@@ -176,15 +180,9 @@ def _unlikelihood_step(students: dict, optims: dict, batch, lr: float, opt: Opti
     for name, model in students.items():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=opt.amp):
             x, targets, negative, share = rollout_batch(model, batch, opt.rollout_prefix, opt.rollout_tokens)
-        for group in optims[name].param_groups:
-            group["lr"] = lr
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=opt.amp):
             logits = model(input_ids=x).logits[:, opt.rollout_prefix - 1:]
-        loss = unlikelihood_loss(logits.float(), targets, negative.to(device))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
-        optims[name].step()
-        optims[name].zero_grad(set_to_none=True)
+        _optimizer_step(model, optims[name], unlikelihood_loss(logits.float(), targets, negative.to(device)), lr, opt)
         key = f"{name}_loop"
         running[key] = share if running.get(key) is None else 0.9 * running[key] + 0.1 * share
         post[name] = f"{running[name]:.3f}" if running.get(name) is not None else "-"
@@ -206,16 +204,23 @@ def _student_step(model, optim, x, y, teacher_logp, lr: float, opt: Optimisation
     """Forward, loss, backward, clipped AdamW step; returns (CE, KL or None) as tensors."""
     import torch
 
-    for group in optim.param_groups:
-        group["lr"] = lr
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=opt.amp):
         logits = model(input_ids=x).logits
     loss, ce, kl = distill_loss(logits.float(), y, teacher_logp, opt.kl_weight, opt.temperature)
+    _optimizer_step(model, optim, loss, lr, opt)
+    return ce, kl
+
+
+def _optimizer_step(model, optim, loss, lr: float, opt: Optimisation) -> None:
+    """Backward ``loss``, clip the gradient, one AdamW step at ``lr``."""
+    import torch
+
+    for group in optim.param_groups:
+        group["lr"] = lr
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
     optim.step()
     optim.zero_grad(set_to_none=True)
-    return ce, kl
 
 
 def distill_loss(logits, targets, teacher_logp, kl_weight: float, temperature: float):

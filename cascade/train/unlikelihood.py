@@ -18,7 +18,7 @@ about decoding *a given* model, which is untouched.
 """
 from __future__ import annotations
 
-NGRAM = 4
+from cascade.repetition import NGRAM  # the n of the repetition measure the benches report
 
 
 def repeated_ngram_mask(ids, n: int = NGRAM):
