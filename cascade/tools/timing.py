@@ -1,0 +1,106 @@
+"""Timing that says how far to trust it: torch's threads chosen on purpose, every speed figure a
+median over repeats with its range, and a warning when the range shows the machine was busy.
+
+One slow repeat (a stall, another process taking the core) moves a mean or a single run as
+much as a real difference does; it moves the median of three repeats not at all, and it shows
+as a wide range. So the tools (``cascade demo``, ``cascade bench``, ``cascade bench-serve``)
+measure the sides they compare interleaved in time, repeat, and report ``median (min–max)``
+over the repeats; a range wider than :data:`BUSY_SPREAD` of its median is named in a warning.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping
+
+# A figure whose range across repeats exceeds this share of its median was measured on a busy
+# (or drifting) machine. On a quiet machine, interleaved repeats of the same work agree within a
+# few per cent; a third of the median is a stall or a competing process, not noise.
+BUSY_SPREAD = 0.3
+
+DEFAULT_THREADS = 1
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The median of one figure over repeats, and its range."""
+
+    median: float
+    low: float
+    high: float
+    count: int
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> "Spread":
+        xs = [float(v) for v in values]
+        if not xs:
+            raise ValueError("a spread needs at least one value")
+        return cls(statistics.median(xs), min(xs), max(xs), len(xs))
+
+    @property
+    def relative(self) -> float:
+        """(high - low) / median: 0 when every repeat agrees (and for a single repeat)."""
+        if self.median == 0:
+            return 0.0 if self.high == self.low else float("inf")
+        return (self.high - self.low) / abs(self.median)
+
+    def busy(self, limit: float = BUSY_SPREAD) -> bool:
+        return self.relative > limit
+
+    def format(self, spec: str = ".2f", unit: str = "") -> str:
+        """``1.17x (1.10–1.25)``; a single value has no range to show."""
+        head = f"{self.median:{spec}}{unit}"
+        if self.count < 2:
+            return head
+        return f"{head} ({self.low:{spec}}–{self.high:{spec}})"
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"median": self.median, "min": self.low, "max": self.high, "repeats": self.count}
+
+
+def busy_warning(spreads: Mapping[str, Spread], limit: float = BUSY_SPREAD) -> str | None:
+    """One sentence naming every figure of ``spreads`` (name -> spread over repeats) whose range
+    exceeds ``limit`` of its median, with the machine's load; None when none does (or when no
+    figure has two repeats to compare)."""
+    wide = {name: s for name, s in spreads.items() if s.count > 1 and s.busy(limit)}
+    if not wide:
+        return None
+    parts = "; ".join(f"{name} ranged {s.low:.3g}–{s.high:.3g} around a median of {s.median:.3g} "
+                      f"({s.relative:.0%})" for name, s in wide.items())
+    return (f"warning: the machine looks busy{_load()}: across repeats, {parts}; more than {limit:.0%} is "
+            f"not noise. The medians discount a slow repeat, but these figures are less certain than on a "
+            f"quiet machine: close other work (or give --threads a core each) and run again.")
+
+
+def _load() -> str:
+    try:
+        one_minute = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return ""
+    return f" (load average {one_minute:.1f} on {os.cpu_count()} CPUs)"
+
+
+@contextmanager
+def torch_threads(threads: int | None = DEFAULT_THREADS) -> Iterator[int]:
+    """Within the block, torch's intra-op threads are ``threads`` (None: torch's own choice);
+    yields how many it uses, and restores the former count after (a command run inside a test
+    leaves the process as it found it).
+
+    One by default: the models here are small, a second thread buys little, and a thread that
+    waits for a core other work holds stalls every operation it shares (the same code measured
+    0.38x with torch's default two threads on a busy 2-core machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def threads_line(threads: int) -> str:
+    return f"torch threads: {threads} (--threads to change; one keeps timings steady on a shared machine)"
