@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import re
+
+import torch
 
 from cascade.cli import main
 from conftest import family_topology, write_topology
@@ -16,6 +19,7 @@ def test_demo_runs_and_reports(family, tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "not a coding assistant" in out.splitlines()[0]
+    assert out.splitlines()[1].startswith("torch threads: 1 ")  # chosen, not torch's default, and said
     # both kinds of text: greedy (identity-checked) and sampled at the default T = 0.8, top-p 0.95
     assert "\ngreedy:\n" in out and "\nT=0.8, top-p 0.95:\n" in out
     assert out.count("plain decoding (large)") == 2 and out.count("cascade (fixed policy)") == 2
@@ -23,17 +27,27 @@ def test_demo_runs_and_reports(family, tmp_path, capsys):
     assert "tiny->small" in out and "small->large" in out
     assert "all 2 outputs identical to plain greedy decoding" in out
     assert "checked by distribution: cascade bench --temperature 0.8 --top-p 0.95" in out
+    # texts of the first repeat only; figures are medians over the 3 default repeats, with their range
     assert out.count("=== prompt") == 4 and out.count(", greedy (") == 2 and out.count(", T=0.8, top-p 0.95 (") == 2
+    assert out.count("median over 3 interleaved repeat(s), min–max in brackets") == 2
+    assert re.search(r"cascade \(fixed policy\) +[\d.]+ \([\d.]+–[\d.]+\) +[\d.]+x \([\d.]+–[\d.]+\)", out)
+    assert re.search(r"speedup over plain decoding, median of 3 repeat\(s\) \(min–max\): greedy: [\d.]+x "
+                     r"\([\d.]+–[\d.]+\); T=0.8, top-p 0.95: [\d.]+x \([\d.]+–[\d.]+\)", out)
+    assert "identical to plain greedy decoding in each of 3 repeats" in out
 
 
 def test_demo_greedy_only_and_sampling_flags(family, tmp_path, capsys):
     topo = write_topology(tmp_path / "d.yaml", family_topology(family, ["tiny", "large"]))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def f(x):\n"}))
+    threads = torch.get_num_threads()
     base = ["demo", "--topology", str(topo), "--prompts", str(prompts), "-n", "1", "--max-new-tokens", "6"]
-    assert main(base + ["--temperature", "0", "--quiet"]) == 0
+    assert main(base + ["--temperature", "0", "--quiet", "--repeats", "1", "--threads", "2"]) == 0
     out = capsys.readouterr().out
     assert "greedy:" in out and "T=" not in out and "=== prompt" not in out
+    assert "torch threads: 2 " in out and torch.get_num_threads() == threads  # restored after the run
+    # one repeat: a median without a range, and nothing to call the machine busy by
+    assert "median of 1 repeat(s): greedy: " in out and "–" not in out.split("median of 1")[1] and "busy" not in out
     assert main(base + ["--temperature", "1.5", "--top-k", "5", "--top-p", "1", "--seed", "3", "--quiet"]) == 0
     assert "T=1.5, top-k 5:" in capsys.readouterr().out
     assert main(base + ["--top-p", "2"]) == 2

@@ -4,6 +4,12 @@ Two kinds of text side by side: greedy decoding, where every output must equal p
 decoding's token for token, and sampled decoding (T = 0.8, top-p 0.95 unless told otherwise),
 how most people sample. Small models loop under greedy decoding, and a loop is what every draft
 predicts best, so each kind's speedup is shown with how repetitive its text was.
+
+Timing: torch's threads are set (one unless ``--threads`` says otherwise) and printed; the
+cascade and plain decoding run interleaved, each prompt's pair in alternating order, over
+``--repeats`` repeats of every prompt in both kinds; every speed is the median over the repeats
+with its range (:mod:`cascade.tools.timing`), and a range that shows the machine was busy is
+named in a warning.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from dataclasses import dataclass, field
 
 from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
+from cascade.tools.timing import DEFAULT_THREADS, Spread, busy_warning, threads_line, torch_threads
 
 DEFAULT_PROMPTS = "examples/prompts/heldout.jsonl"
 ABOUT_THE_MODELS = ("The bundled models are tiny (0.7-11.6 M parameters), trained from scratch on a CPU on "
@@ -24,15 +31,20 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "demo", help="run the default topology on held-out prompts next to plain decoding",
         description="Generate code for a few held-out prompts with the cascade and with plain decoding of the "
-                    "authority (transformers generate), interleaved in one run, greedily (outputs must be "
-                    "identical) and sampled (--temperature, default 0.8, --top-p 0.95); print the code and, for "
-                    "each, a table of tokens/s, speedup and the text's repetition, tokens per authority pass "
-                    "and acceptance per edge.",
+                    "authority (transformers generate), interleaved in one run over --repeats repeats, greedily "
+                    "(outputs must be identical) and sampled (--temperature, default 0.8, --top-p 0.95); print the "
+                    "code and, for each, a table of tokens/s and speedup (median over the repeats, with their "
+                    "range), the text's repetition, tokens per authority pass and acceptance per edge; warn when "
+                    "the range shows the machine was busy.",
     )
     p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY)
     p.add_argument("--prompts", default=DEFAULT_PROMPTS, help="JSONL file with a 'prompt' field per line")
     p.add_argument("--num-prompts", "-n", type=types.positive_int, default=4)
     p.add_argument("--max-new-tokens", type=types.positive_int, default=96)
+    p.add_argument("--repeats", type=types.positive_int, default=3,
+                   help="times every prompt is timed on each side, interleaved; figures are medians over them (default 3)")
+    p.add_argument("--threads", type=types.positive_int, default=DEFAULT_THREADS,
+                   help=f"torch's intra-op threads (default {DEFAULT_THREADS}: steady timings on a shared machine)")
     p.add_argument("--policy", type=types.policy_spec, default=None, help="NAME[:key=value,...] (default: the topology's)")
     types.add_sampling_args(p, default_temperature=0.8, default_top_p=0.95,
                             what="the sampled runs (0 = show greedy decoding only)")
@@ -42,60 +54,84 @@ def add_parser(sub) -> None:
 
 @dataclass
 class Mode:
-    """One kind of decoding over the prompts: the cascade's merged statistics, plain decoding's
-    tokens and seconds, and each side's texts."""
+    """One kind of decoding over the prompts: the cascade's statistics merged over every run, each
+    side's tokens and seconds per repeat, the prompts whose greedy output differed in any repeat,
+    and each side's texts (the first repeat's)."""
     label: str
-    stats: object
-    plain_tokens: int = 0
-    plain_seconds: float = 0.0
-    mismatches: int = 0
+    sampling: object  # cascade.sampling.Sampling
+    stats: object  # cascade.stats.RequestStats
+    repeats: int
+    cascade_time: list[list[float]] = field(default_factory=list)  # per repeat: [tokens, seconds]
+    plain_time: list[list[float]] = field(default_factory=list)
+    mismatches: set[int] = field(default_factory=set)
     cascade_ids: list[list[int]] = field(default_factory=list)
     plain_ids: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.cascade_time = [[0, 0.0] for _ in range(self.repeats)]
+        self.plain_time = [[0, 0.0] for _ in range(self.repeats)]
+
+    def spreads(self) -> dict[str, Spread]:
+        """Per repeat, over all prompts: each side's tokens/s and the speedup (cascade over plain)."""
+        def rates(per_repeat):
+            return [t / s if s else 0.0 for t, s in per_repeat]
+
+        plain, cascade = rates(self.plain_time), rates(self.cascade_time)
+        return {"plain tok/s": Spread.of(plain), "cascade tok/s": Spread.of(cascade),
+                "speedup": Spread.of(c / p if p else 0.0 for c, p in zip(cascade, plain))}
 
 
 @guarded
 def run(args) -> int:
     from cascade.api import Cascade
     from cascade.sampling import Sampling
+    from cascade.stats import RequestStats
     from cascade.tools.baselines import load_prompts, plain_generate
+    from cascade.tools.bench import mode_label
 
     prompts = load_prompts(args.prompts, args.num_prompts)
     sampled = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    with Cascade.from_topology(args.topology, policy=args.policy or None) as c:
+    with torch_threads(args.threads) as threads, Cascade.from_topology(args.topology, policy=args.policy or None) as c:
         model = getattr(c.workers[c.topology.authority], "model", None)
         if model is None:
             print("error: demo needs a transformers authority to compare against", file=sys.stderr)
             return 1
         print(ABOUT_THE_MODELS)
+        print(threads_line(threads))
         # Warm-up: first calls pay for allocation and lazy initialisation, and an adaptive
         # policy measures the levels and paths (on a prompt from the end of the file, which the
         # timed runs use only if the file is short).
         warm = load_prompts(args.prompts)[-1]
         c.generate(warm, max_new_tokens=64, temperature=0.0)
         plain_generate(model, c.tokenizer.encode(warm), 8)
-        modes = [_decode(c, model, prompts, Sampling(), args)]
-        if not sampled.greedy:
-            modes.append(_decode(c, model, prompts, sampled, args))
+        kinds = [Sampling()] + ([sampled] if not sampled.greedy else [])
+        modes = [Mode(mode_label(s), s, RequestStats(c.topology.authority), args.repeats) for s in kinds]
+        # Repeat by repeat, both kinds in each: a busy spell hits one repeat, which the median discounts.
+        for r in range(args.repeats):
+            for mode in modes:
+                _decode(c, model, prompts, mode, r, args)
     for mode in modes:
         _table(mode, c.topology.authority, c.topology.spec.policy.name)
+    _headline(modes)
     if modes[0].mismatches:
-        print(f"\nEXACTNESS FAILURE: {modes[0].mismatches} prompt(s) differ from plain greedy decoding", file=sys.stderr)
+        print(f"\nEXACTNESS FAILURE: {len(modes[0].mismatches)} prompt(s) differ from plain greedy decoding",
+              file=sys.stderr)
         return 2
-    print(f"\nall {len(prompts)} outputs identical to plain greedy decoding")
+    print(f"\nall {len(prompts)} outputs identical to plain greedy decoding"
+          f"{f' in each of {args.repeats} repeats' if args.repeats > 1 else ''}")
     if len(modes) > 1:
         print(f"sampled outputs differ from plain sampling's by design (other random draws); exactness under sampling "
               f"is checked by distribution: cascade bench --temperature {args.temperature:g} --top-p {args.top_p:g}")
     return 0
 
 
-def _decode(c, model, prompts: list[str], sampling, args) -> Mode:
-    """Every prompt through the cascade and plain decoding, alternating which runs first so that
-    drift in machine load hits both alike; prompt ``i`` sampled with seed ``args.seed + i``."""
-    from cascade.stats import RequestStats
+def _decode(c, model, prompts: list[str], mode: Mode, repeat: int, args) -> None:
+    """One repeat of every prompt through the cascade and plain decoding, alternating which runs
+    first (by prompt and by repeat) so that drift in machine load hits both alike; prompt ``i``
+    sampled with seed ``args.seed + i`` in every repeat, so the repeats time the same work."""
     from cascade.tools.baselines import plain_generate
-    from cascade.tools.bench import mode_label
 
-    mode = Mode(mode_label(sampling), RequestStats(c.topology.authority))
+    sampling = mode.sampling
     for i, prompt in enumerate(prompts):
         ids = c.tokenizer.encode(prompt)
         seed = args.seed + i
@@ -104,43 +140,62 @@ def _decode(c, model, prompts: list[str], sampling, args) -> Mode:
             return c.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=sampling.temperature,
                               top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
 
-        if i % 2:
+        if (i + repeat) % 2:
             ref, secs = plain_generate(model, ids, args.max_new_tokens, sampling, seed)
             g = cascade()
         else:
             g = cascade()
             ref, secs = plain_generate(model, ids, args.max_new_tokens, sampling, seed)
-        mode.plain_tokens += len(ref)
-        mode.plain_seconds += secs
+        _add(mode.plain_time[repeat], len(ref), secs)
+        _add(mode.cascade_time[repeat], len(g.token_ids), g.stats.wall_seconds)
         mode.stats.merge(g.stats)
+        same = g.token_ids == ref
+        if sampling.greedy and not same:
+            mode.mismatches.add(i)
+        if repeat:
+            continue
         mode.cascade_ids.append(g.token_ids)
         mode.plain_ids.append(ref)
-        same = g.token_ids == ref
-        mode.mismatches += sampling.greedy and not same
         if not args.quiet:
             verdict = f", {'identical to' if same else 'DIFFERS FROM'} plain decoding" if sampling.greedy else ""
             print(f"\n=== prompt {i + 1}/{len(prompts)}, {mode.label} ({len(g.token_ids)} tokens, "
                   f"{g.stats.tokens_per_second:.1f} tok/s{verdict})")
             print(prompt + g.text)
-    return mode
+
+
+def _add(total: list[float], tokens: int, seconds: float) -> None:
+    total[0] += tokens
+    total[1] += seconds
 
 
 def _table(mode: Mode, authority: str, policy: str) -> None:
     from cascade.repetition import repetition
 
-    cascade_tps = mode.stats.tokens_per_second
-    plain_tps = mode.plain_tokens / mode.plain_seconds if mode.plain_seconds else 0.0
+    spreads = mode.spreads()
 
     def rep(texts: list[list[int]]) -> float:
         return statistics.median(repetition(t) for t in texts) if texts else 0.0
 
     print(f"\n{mode.label}:")
-    print(f"{'':<28}{'tokens/s':>10}{'speedup':>9}{'repetition':>12}")
-    print(f"{'plain decoding (' + authority + ')':<28}{plain_tps:>10.1f}{1.0:>8.2f}x{rep(mode.plain_ids):>12.2f}")
-    print(f"{'cascade (' + policy + ' policy)':<28}{cascade_tps:>10.1f}"
-          f"{(cascade_tps / plain_tps if plain_tps else 0):>8.2f}x{rep(mode.cascade_ids):>12.2f}")
-    print("(repetition: median share of generated tokens that close a 4-gram already in the same text)")
+    print(f"{'':<28}{'tokens/s':>20}{'speedup':>20}{'repetition':>12}")
+    print(f"{'plain decoding (' + authority + ')':<28}{spreads['plain tok/s'].format('.1f'):>20}{'1.00x':>20}"
+          f"{rep(mode.plain_ids):>12.2f}")
+    print(f"{'cascade (' + policy + ' policy)':<28}{spreads['cascade tok/s'].format('.1f'):>20}"
+          f"{spreads['speedup'].format(unit='x'):>20}{rep(mode.cascade_ids):>12.2f}")
+    print(f"(tokens/s and speedup: median over {mode.repeats} interleaved repeat(s), min–max in brackets; repetition: "
+          "median share of generated tokens that close a 4-gram already in the same text)")
     print(f"tokens per authority pass: {mode.stats.tokens_per_authority_pass:.2f}")
     print(f"{'edge':<20}{'acceptance':>11}{'mean block':>12}")
     for key, e in mode.stats.edges.items():
         print(f"{key:<20}{e.acceptance_rate:>11.2f}{e.mean_accepted_block:>12.2f}")
+
+
+def _headline(modes: list[Mode]) -> None:
+    """The speedups in one line, then a warning naming every figure whose range says the machine was busy."""
+    n = modes[0].repeats
+    figures = "; ".join(f"{m.label}: {m.spreads()['speedup'].format(unit='x')}" for m in modes)
+    print(f"\nspeedup over plain decoding, median of {n} repeat(s){' (min–max)' if n > 1 else ''}: {figures}")
+    spreads = {f"{m.label} {name}": s for m in modes for name, s in m.spreads().items() if name != "cascade tok/s"}
+    warning = busy_warning(spreads)
+    if warning:
+        print(warning)
