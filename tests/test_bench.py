@@ -49,6 +49,10 @@ def test_bench_end_to_end(family, tmp_path, capsys):
     for name in ("bench.md", "speedup.png", "acceptance.png", "time_breakdown.png"):
         assert (out / name).stat().st_size > 0
     assert "| cascade:3level:fixed |" in stdout
+    # torch's threads chosen and said; one repeat: a speedup per repeat of one, no range column
+    assert data["config"]["threads"] == 1 and "torch threads: 1" in stdout
+    assert all(len(r["speedup_by_repeat"]) == 1 for r in data["reports"]) and "speedup by repeat" not in stdout
+    assert "one repeat, so no range over repeats" in stdout
 
 
 def test_prediction_follows_the_path_mostly_taken():
@@ -89,7 +93,43 @@ def test_bench_batch_sizes(family, tmp_path, capsys):
         assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
         assert r["ratio"] == pytest.approx(sum(r["ratios"]) / 2)  # the median of two
         assert r["plain_latency_s"] > 0 and r["cascade_latency_s"] > 0
-    assert "| 3 |" in capsys.readouterr().out
+        assert len(r["plain_tokens_per_second_by_repeat"]) == len(r["cascade_tokens_per_second_by_repeat"]) == 2
+    stdout = capsys.readouterr().out
+    assert "| 3 |" in stdout and "Torch threads: 1." in stdout
+
+
+def _report(name: str, by_repeat: list[float], tokens_per_second: list[float]):
+    from cascade.tools.bench import ConfigReport
+
+    return ConfigReport(name, "greedy", 100.0, (90.0, 110.0), 1.2, (1.1, 1.3), 0.5, speedup_by_repeat=by_repeat,
+                        tokens_per_second_by_repeat=tokens_per_second)
+
+
+def test_bench_summary_gives_the_range_over_repeats_and_warns_on_a_busy_machine():
+    """On given numbers: each speedup's median and range over the repeats, and the warning names
+    exactly the figures whose range is wider than the limit."""
+    from cascade.tools.bench_report import batch_markdown, markdown
+
+    config = dict(topology="t.yaml", prompts=3, repeats=3, max_new_tokens=16, threads=1)
+    steady = [_report("plain", [1.0] * 3, [90.0, 95.0, 100.0]), _report("cascade:a", [1.2, 1.25, 1.3], [110.0] * 3)]
+    md = markdown(steady, config)
+    assert "torch threads: 1" in md and "median (min–max) over the 3 repeats" in md
+    assert "| speedup by repeat |" in md and "| 1.25x (1.20–1.30) |" in md and "busy" not in md
+    busy = [_report("plain", [1.0] * 3, [45.0, 90.0, 100.0]), _report("cascade:a", [0.4, 1.2, 1.3], [110.0] * 3),
+            _report("cascade:b", [1.1, 1.15, 1.2], [100.0] * 3)]
+    md = markdown(busy, config)
+    (warning,) = [line for line in md.splitlines() if "warning: the machine looks busy" in line]
+    assert "plain tok/s ranged 45–100" in warning and "cascade:a speedup ranged 0.4–1.3" in warning
+    assert "cascade:b" not in warning  # steady: not blamed
+    rows = [{"batch_size": 4, "requests": 8, "repeats": 3, "ratio": 1.5, "ratio_min": 1.4, "ratio_max": 1.6,
+             "ratios": [1.4, 1.5, 1.6], "plain_tokens_per_second_by_repeat": [50.0, 100.0, 98.0],
+             "plain_tokens_per_second": 98.0, "cascade_tokens_per_second": 140.0, "plain_latency_s": 1.0,
+             "cascade_latency_s": 0.7, "plain_repetition": 0.1, "cascade_repetition": 0.1}]
+    md = batch_markdown(rows, "t.yaml", 16, threads=1)
+    assert "Torch threads: 1." in md and "| 1.50x [1.40–1.60] |" in md
+    assert "B=4 plain tok/s ranged 50–100" in md and "B=4 cascade ÷ plain" not in md
+    rows[0]["plain_tokens_per_second_by_repeat"] = [95.0, 100.0, 98.0]
+    assert "busy" not in batch_markdown(rows, "t.yaml", 16, threads=1)
 
 
 def test_bench_batch_sizes_sampled(family, tmp_path, capsys):

@@ -2,7 +2,10 @@
 
 Every configuration runs on the same prompts, interleaved (a fresh random order per prompt and
 repeat) after a warm-up, and every speed is reported as a ratio to plain decoding measured in
-the same run. Configurations:
+the same run; torch's threads are set (``--threads``, default 1) and recorded. With
+``--repeats`` > 1 each configuration's speedup is also given per repeat (median over prompts),
+as the median and range over the repeats, and a range that shows the machine was busy is named
+in a warning (:mod:`cascade.tools.timing`). Configurations:
 
 1. ``plain``: transformers ``generate`` of the authority, greedy or sampled (the baseline);
 2. ``cascade:authority``: cascade with the authority alone (cascade's own overhead);
@@ -45,6 +48,7 @@ from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 from cascade.tools.bench_batch import mode_label, run_batch_bench
 from cascade.tools.bench_report import write_report
 from cascade.tools.exactness import DistributionCheck
+from cascade.tools.timing import DEFAULT_THREADS, torch_threads
 from cascade.repetition import LOOP_THRESHOLD, NGRAM, repetition
 
 
@@ -97,6 +101,10 @@ class ConfigReport:
     speedup_nonloop_median: float | None = None  # over the prompts whose plain text is no loop
     nonloop_prompts: int = 0
     distribution: DistributionCheck | None = None  # sampled: the distribution check
+    # per repeat, in order: the speedup (median over prompts of this / plain in that repeat) and
+    # tokens/s (all prompts' tokens over their seconds); their spread says how steady the machine was
+    speedup_by_repeat: list[float] = field(default_factory=list)
+    tokens_per_second_by_repeat: list[float] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
@@ -290,12 +298,21 @@ def main_path(stats) -> tuple[str, ...]:
 def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repeats: int = 1,
               out: str | Path | None = None, prompt_lookup: int = 10, only: list[str] | None = None,
               progress: bool = True, seed: int = 0, samplings: list | None = None,
-              exactness_draws: int = 300, exactness_tokens: int = 2) -> tuple[list[ConfigReport], list[Sample]]:
+              exactness_draws: int = 300, exactness_tokens: int = 2,
+              threads: int | None = DEFAULT_THREADS) -> tuple[list[ConfigReport], list[Sample]]:
     """Every configuration on every prompt, ``repeats`` times, in each sampling mode of
     ``samplings`` (:class:`cascade.sampling.Sampling`; default greedy), all interleaved; then,
     for each sampled mode, the distribution check of every configuration against plain
     sampling (``exactness_draws`` draws of the first ``exactness_tokens`` tokens each; 0 skips
-    it). The reports come per mode, in the order of ``samplings``."""
+    it). Torch runs ``threads`` intra-op threads throughout (None: its own choice). The reports
+    come per mode, in the order of ``samplings``."""
+    with torch_threads(threads) as used:
+        return _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, only, progress, seed,
+                          samplings, exactness_draws, exactness_tokens, used)
+
+
+def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, only, progress, seed, samplings,
+               exactness_draws, exactness_tokens, threads) -> tuple[list[ConfigReport], list[Sample]]:
     from cascade.sampling import Sampling
 
     samplings = samplings or [Sampling()]
@@ -317,7 +334,8 @@ def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repe
     finally:
         for w in workers.values():
             w.close()
-    reports = [r for sampling in samplings for r in summarize(configs, samples, len(ids), mode_label(sampling))]
+    reports = [r for sampling in samplings
+               for r in summarize(configs, samples, len(ids), mode_label(sampling), repeats)]
     for r in reports:
         r.distribution = checks.get((r.mode, r.name))
     if out is not None:
@@ -325,7 +343,7 @@ def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repe
             topology=topology, prompts=len(prompts), max_new_tokens=max_new_tokens, repeats=repeats,
             prompt_lookup=prompt_lookup, seed=seed, modes=[mode_label(s) for s in samplings],
             samplings=[s.model_dump() for s in samplings], exactness_draws=exactness_draws,
-            exactness_tokens=exactness_tokens))
+            exactness_tokens=exactness_tokens, threads=threads))
     return reports, samples
 
 
@@ -400,15 +418,18 @@ def _check_distributions(configs: list[Config], sampling, ids: list[list[int]], 
     return checks
 
 
-def summarize(configs: list[Config], samples: list[Sample], n_prompts: int, mode: str = "greedy") -> list[ConfigReport]:
+def summarize(configs: list[Config], samples: list[Sample], n_prompts: int, mode: str = "greedy",
+              repeats: int = 1) -> list[ConfigReport]:
     """One report per configuration from the samples of one mode. Speedups are per prompt (this
     configuration's tokens/s over plain's, summed over repeats), median over prompts; the
     non-loop speedup takes only the prompts whose plain continuation has repetition below
-    ``LOOP_THRESHOLD`` (mean over repeats)."""
+    ``LOOP_THRESHOLD`` (mean over repeats). Per repeat, the same speedup from that repeat's
+    samples alone, and the configuration's tokens/s over all prompts."""
     samples = [s for s in samples if s.mode == mode]
 
-    def per_prompt(name: str, value: Callable[[list[Sample]], float]) -> list[float]:
-        return [value([s for s in samples if s.config == name and s.prompt == i]) for i in range(n_prompts)]
+    def per_prompt(name: str, value: Callable[[list[Sample]], float], repeat: int | None = None) -> list[float]:
+        return [value([s for s in samples if s.config == name and s.prompt == i and repeat in (None, s.repeat)])
+                for i in range(n_prompts)]
 
     def rate(xs: list[Sample]) -> float:
         return sum(s.tokens for s in xs) / sum(s.seconds for s in xs)
@@ -417,6 +438,7 @@ def summarize(configs: list[Config], samples: list[Sample], n_prompts: int, mode
         return statistics.fmean(repetition(s.token_ids, NGRAM) for s in xs)
 
     plain = per_prompt("plain", rate)
+    plain_by_repeat = [per_prompt("plain", rate, r) for r in range(repeats)]
     nonloop = [i for i, x in enumerate(per_prompt("plain", mean_repetition)) if x < LOOP_THRESHOLD]
     plain_ids = {(s.prompt, s.repeat): s.token_ids for s in samples if s.config == "plain"}
     plain_spt = sum(s.seconds for s in samples if s.config == "plain") / sum(
@@ -432,6 +454,9 @@ def summarize(configs: list[Config], samples: list[Sample], n_prompts: int, mode
             repetition_median=statistics.median(per_prompt(c.name, mean_repetition)),
             speedup_nonloop_median=statistics.median([speedups[i] for i in nonloop]) if nonloop else None,
             nonloop_prompts=len(nonloop),
+            speedup_by_repeat=[statistics.median(a / b for a, b in zip(per_prompt(c.name, rate, r), plain_by_repeat[r]))
+                               for r in range(repeats)],
+            tokens_per_second_by_repeat=[rate([s for s in xs if s.repeat == r]) for r in range(repeats)],
         )
         if mode == "greedy":  # under sampling the random streams differ: checked by distribution instead
             rep.mismatches = sorted({s.prompt for s in xs if s.token_ids != plain_ids[(s.prompt, s.repeat)]})
@@ -477,7 +502,11 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts", default="examples/prompts/heldout.jsonl")
     p.add_argument("--num-prompts", type=types.positive_int, default=None)
     p.add_argument("--max-new-tokens", type=types.positive_int, default=128)
-    p.add_argument("--repeats", type=types.positive_int, default=1)
+    p.add_argument("--repeats", type=types.positive_int, default=1,
+                   help="times every configuration runs on every prompt, interleaved (default 1); with 2 or more the "
+                        "summary gives each speedup's median and range over the repeats and warns on a busy machine")
+    p.add_argument("--threads", type=types.positive_int, default=DEFAULT_THREADS,
+                   help=f"torch's intra-op threads (default {DEFAULT_THREADS}: steady timings on a shared machine)")
     p.add_argument("--prompt-lookup", type=types.positive_int, default=10, help="prompt_lookup_num_tokens for transformers")
     p.add_argument("--only", action="append", default=None,
                    help="run only configurations whose name contains this (plain always runs; repeatable)")
@@ -514,7 +543,8 @@ def _main(args) -> int:
         _, check = run_batch_bench(args.topology, prompts, args.batch_sizes, args.max_new_tokens, args.policy,
                                    args.out, progress=not args.no_progress, requests=args.requests,
                                    repeats=args.repeats, sampling=sampling, seed=args.seed,
-                                   exactness_draws=args.exactness_draws, exactness_tokens=args.exactness_tokens)
+                                   exactness_draws=args.exactness_draws, exactness_tokens=args.exactness_tokens,
+                                   threads=args.threads)
         print((Path(args.out) / "batch.md").read_text())
         print(f"({time.perf_counter() - t0:.0f} s; report in {args.out})")
         if check is not None and not check.passed:
@@ -524,7 +554,8 @@ def _main(args) -> int:
     samplings = [Sampling(), sampling] if args.with_greedy and not sampling.greedy else [sampling]
     reports, _ = run_bench(args.topology, prompts, args.max_new_tokens, args.repeats, args.out, args.prompt_lookup,
                            args.only, progress=not args.no_progress, seed=args.seed, samplings=samplings,
-                           exactness_draws=args.exactness_draws, exactness_tokens=args.exactness_tokens)
+                           exactness_draws=args.exactness_draws, exactness_tokens=args.exactness_tokens,
+                           threads=args.threads)
     print((Path(args.out) / "bench.md").read_text())
     print(f"({time.perf_counter() - t0:.0f} s; report in {args.out})")
     bad = [f"{r.name} ({r.mode})" for r in reports if not r.exact]

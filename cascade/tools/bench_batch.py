@@ -17,6 +17,7 @@ from typing import Any
 
 from cascade.tools.bench_report import batch_markdown
 from cascade.tools.exactness import DistributionCheck
+from cascade.tools.timing import DEFAULT_THREADS, torch_threads
 from cascade.repetition import repetition
 
 # (tokens, seconds, mean latency per request, repetition per request) of serving a list of requests
@@ -92,7 +93,8 @@ class _Servers:
 def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], max_new_tokens: int = 128,
                     policy: str | None = None, out: str | Path | None = None, progress: bool = True,
                     requests: int = 32, repeats: int = 1, sampling=None, seed: int = 0,
-                    exactness_draws: int = 300, exactness_tokens: int = 2) -> tuple[list[dict], DistributionCheck | None]:
+                    exactness_draws: int = 300, exactness_tokens: int = 2,
+                    threads: int | None = DEFAULT_THREADS) -> tuple[list[dict], DistributionCheck | None]:
     """Throughput under load: at each concurrency B, the same ``max(requests, B)`` requests
     (the prompts, cycled) are served B at a time, by plain batched decoding of the authority
     (transformers ``generate`` with left padding, in batches of B) and by the cascade
@@ -104,7 +106,15 @@ def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], m
     ``sampling`` (a :class:`cascade.sampling.Sampling`; default greedy) applies to both sides;
     each batch is seeded from ``seed``. Sampled, the batched cascade's first tokens are checked
     against plain sampling's distribution (:mod:`cascade.tools.exactness`; ``exactness_draws``
-    rows at the largest batch size); returns (rows, that check or None)."""
+    rows at the largest batch size); returns (rows, that check or None). Torch runs ``threads``
+    intra-op threads throughout (None: its own choice)."""
+    with torch_threads(threads) as used:
+        return _run_batch_bench(topology, prompts, batch_sizes, max_new_tokens, policy, out, progress, requests,
+                                repeats, sampling, seed, exactness_draws, exactness_tokens, used)
+
+
+def _run_batch_bench(topology, prompts, batch_sizes, max_new_tokens, policy, out, progress, requests, repeats,
+                     sampling, seed, exactness_draws, exactness_tokens, threads) -> tuple[list[dict], DistributionCheck | None]:
     from tqdm import tqdm
 
     from cascade.api import Cascade
@@ -129,7 +139,7 @@ def run_batch_bench(topology: str, prompts: list[str], batch_sizes: list[int], m
                                               exactness_tokens, max(batch_sizes))
     if out is not None:
         config = dict(topology=topology, max_new_tokens=max_new_tokens, policy=policy, requests=requests,
-                      repeats=repeats, sampling=sampling.model_dump(), seed=seed)
+                      repeats=repeats, sampling=sampling.model_dump(), seed=seed, threads=threads)
         _write_batch_report(Path(out), config, rows, check, mode_label(sampling))
     return rows, check
 
@@ -149,12 +159,14 @@ def _measure(servers: _Servers, batch: list[str], size: int, repeats: int, first
 
 def _row(runs: dict[str, list[Served]], size: int, requests: int, repeats: int, mode: str) -> dict:
     """A concurrency's row of the report: the throughput ratio per repeat (cascade / plain), its
-    median and range, and each side's median tokens/s, latency and repetition."""
+    median and range, each side's tokens/s per repeat, and each side's median tokens/s, latency
+    and repetition."""
     ratios = [(ct / cs) / (pt / ps) for (pt, ps, *_), (ct, cs, *_) in zip(runs["plain"], runs["cascade"])]
     row = {"batch_size": size, "requests": requests, "repeats": repeats, "mode": mode,
            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
            "ratios": ratios}
     for name, xs in runs.items():
+        row[f"{name}_tokens_per_second_by_repeat"] = [t / s for t, s, _, _ in xs]
         row[f"{name}_tokens_per_second"] = statistics.median(t / s for t, s, _, _ in xs)
         row[f"{name}_latency_s"] = statistics.median(lat for _, _, lat, _ in xs)
         row[f"{name}_repetition"] = statistics.median(x for *_, reps in xs for x in reps)
@@ -167,7 +179,8 @@ def _write_batch_report(out: Path, config: dict, rows: list[dict], check: Distri
     out.mkdir(parents=True, exist_ok=True)
     distribution = check and asdict(check) | {"passed": check.passed}
     (out / "batch.json").write_text(json.dumps(config | {"rows": rows, "distribution": distribution}, indent=1))
-    (out / "batch.md").write_text(batch_markdown(rows, config["topology"], config["max_new_tokens"], mode, check))
+    (out / "batch.md").write_text(batch_markdown(rows, config["topology"], config["max_new_tokens"], mode, check,
+                                                 config["threads"]))
 
 
 def _batch_distribution_check(c, policy, prompts: list[str], sampling, seed: int, draws: int, tokens: int,

@@ -6,6 +6,7 @@ import resource
 from pathlib import Path
 
 from cascade.repetition import LOOP_THRESHOLD, NGRAM
+from cascade.tools.timing import Spread, busy_warning
 
 # ConfigReport and Sample, in annotations, are cascade.tools.bench's (not imported: no cycle)
 
@@ -17,8 +18,12 @@ def markdown(reports: list[ConfigReport], config: dict) -> str:
         f"Topology `{config['topology']}`, {config['prompts']} prompts x {config['repeats']} repeat(s), "
         f"{config['max_new_tokens']} new tokens, {' and '.join(modes)}; all configurations"
         f"{' in both modes' if len(modes) > 1 else ''} interleaved in one process "
-        f"(peak RSS of the process: {rss:.0f} MiB). Repetition: share of a continuation's tokens that close a "
-        f"{NGRAM}-gram already in it, median over prompts; a continuation is a loop at >= {LOOP_THRESHOLD}.",
+        f"(peak RSS of the process: {rss:.0f} MiB, torch threads: {config.get('threads', '?')}). Repetition: share "
+        f"of a continuation's tokens that close a {NGRAM}-gram already in it, median over prompts; a continuation is "
+        f"a loop at >= {LOOP_THRESHOLD}. Speedup vs plain: median over prompts, 95% bootstrap CI in brackets"
+        + (f"; by repeat: the same from each repeat's runs alone, median (min–max) over the {config['repeats']} "
+           f"repeats." if config.get("repeats", 1) > 1 else
+           "; one repeat, so no range over repeats to show how steady the machine was (--repeats 3 gives one)."),
         "",
     ]
     if len(modes) > 1:
@@ -26,18 +31,25 @@ def markdown(reports: list[ConfigReport], config: dict) -> str:
     for mode in modes:
         rows = [r for r in reports if r.mode == mode]
         lines += [f"### {mode}", "", _nonloop_line(rows), _exactness_line(rows, config), ""]
+        warning = busy_warning(_spreads(rows))
+        if warning:
+            lines += [f"**{warning}**", ""]
+        by_repeat = any(len(r.speedup_by_repeat) > 1 for r in rows)
         lines += [
-            "| configuration | tokens/s (median, 95% CI) | speedup vs plain | speedup, non-loop prompts | "
-            "repetition | authority passes/token | predicted speedup | measured ÷ predicted | exactness |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| configuration | tokens/s (median, 95% CI) | speedup vs plain | "
+            + ("speedup by repeat | " if by_repeat else "")
+            + "speedup, non-loop prompts | repetition | authority passes/token | predicted speedup | "
+              "measured ÷ predicted | exactness |",
+            "|---" * (10 if by_repeat else 9) + "|",
         ]
         for r in rows:
             pred = f"{r.predicted_speedup:.2f}x" if r.predicted_speedup else "—"
             share = f"{r.measured_over_predicted:.2f}" if r.measured_over_predicted else "—"
+            repeats = f" {Spread.of(r.speedup_by_repeat).format(unit='x')} |" if by_repeat else ""
             lines.append(
                 f"| {r.name} | {r.tokens_per_second_median:.1f} ({r.tokens_per_second_ci[0]:.1f}–"
                 f"{r.tokens_per_second_ci[1]:.1f}) | {r.speedup_median:.2f}x ({r.speedup_ci[0]:.2f}–"
-                f"{r.speedup_ci[1]:.2f}) | {_x(r.speedup_nonloop_median)} | {r.repetition_median:.2f} "
+                f"{r.speedup_ci[1]:.2f}) |{repeats} {_x(r.speedup_nonloop_median)} | {r.repetition_median:.2f} "
                 f"| {r.authority_passes_per_token:.3f} | {pred} | {share} | {_exactness_cell(r)} |"
             )
         lines += ["", f"Acceptance per edge (cascade configurations, {mode}):", ""]
@@ -48,6 +60,15 @@ def markdown(reports: list[ConfigReport], config: dict) -> str:
                 lines.append(f"- {r.name}: {accs}{best}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _spreads(rows: list[ConfigReport]) -> dict[str, Spread]:
+    """What says whether the machine was steady over the repeats of one mode: plain decoding's
+    tokens/s, and each configuration's speedup over plain, per repeat."""
+    spreads = {f"{r.name} speedup": Spread.of(r.speedup_by_repeat) for r in rows
+               if r.name != "plain" and r.speedup_by_repeat}
+    plain = next((r for r in rows if r.name == "plain" and r.tokens_per_second_by_repeat), None)
+    return ({"plain tok/s": Spread.of(plain.tokens_per_second_by_repeat)} if plain else {}) | spreads
 
 
 def _x(value: float | None) -> str:
@@ -193,16 +214,21 @@ def _time_plot(plt, path: Path, cascade_reports: list[ConfigReport], modes: list
     plt.close(fig)
 
 
-def batch_markdown(rows: list[dict], topology: str, max_new_tokens: int, mode: str = "greedy", check=None) -> str:
+def batch_markdown(rows: list[dict], topology: str, max_new_tokens: int, mode: str = "greedy", check=None,
+                   threads: int | None = None) -> str:
     r0 = rows[0] if rows else {}
     lines = [f"Topology `{topology}`, {mode}, {max_new_tokens} new tokens per request; at each concurrency B the same "
              f"{r0.get('requests', '?')} requests (more if B is larger) are served B at a time: plain = transformers "
              f"`generate` of the authority in batches of B, cascade = `generate(..., batch_size=B)` (continuous "
              f"batching). Latency: mean per request, from the start of its batch (plain) or its joining (cascade) to "
              f"its end. Ratios are the median of {r0.get('repeats', 1)} side-by-side repeats (range in brackets). "
-             f"Repetition: median over requests of the share of tokens closing a {NGRAM}-gram already in the text.", "",
-             "| concurrency B | plain tokens/s | cascade tokens/s | cascade ÷ plain | plain latency (s) | "
-             "cascade latency (s) | repetition, plain | repetition, cascade |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"Repetition: median over requests of the share of tokens closing a {NGRAM}-gram already in the text. "
+             f"Torch threads: {threads if threads is not None else '?'}.", ""]
+    warning = busy_warning(_batch_spreads(rows))
+    if warning:
+        lines += [f"**{warning}**", ""]
+    lines += ["| concurrency B | plain tokens/s | cascade tokens/s | cascade ÷ plain | plain latency (s) | "
+              "cascade latency (s) | repetition, plain | repetition, cascade |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         spread = f" [{r['ratio_min']:.2f}–{r['ratio_max']:.2f}]" if r.get("repeats", 1) > 1 else ""
         lines.append(f"| {r['batch_size']} | {r['plain_tokens_per_second']:.1f} | {r['cascade_tokens_per_second']:.1f} "
@@ -218,3 +244,15 @@ def batch_markdown(rows: list[dict], topology: str, max_new_tokens: int, mode: s
         lines += ["", "Exactness: not checked in this mode; `cascade bench` without --batch-sizes compares every "
                       "output with plain decoding's, token by token."]
     return "\n".join(lines) + "\n"
+
+
+def _batch_spreads(rows: list[dict]) -> dict[str, Spread]:
+    """Per concurrency, over the repeats: the throughput ratio and plain decoding's tokens/s (rows
+    written before the per-repeat tokens/s were recorded have only the ratios)."""
+    spreads = {}
+    for r in rows:
+        if r.get("ratios"):
+            spreads[f"B={r['batch_size']} cascade ÷ plain"] = Spread.of(r["ratios"])
+        if r.get("plain_tokens_per_second_by_repeat"):
+            spreads[f"B={r['batch_size']} plain tok/s"] = Spread.of(r["plain_tokens_per_second_by_repeat"])
+    return spreads
