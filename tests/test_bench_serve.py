@@ -77,7 +77,31 @@ def test_summary_of_a_run():
     assert s["tokens_per_chunk"] == pytest.approx(10 / 4)
     assert s["errors"] == {"HTTP 429: server overloaded": 1}
     table = bs.markdown_table([{"label": "x", "summary": s}, {"label": "none", "summary": bs.summarize(bad)}])
-    assert "| x | 0.50 | 2.5 |" in table and "| none | - | - |" in table
+    assert "| x | 0.50 | 2.5 | - |" in table and "| none | - | - | - |" in table  # one repeat: no range
+    assert "busy" not in table
+
+
+def _repeat(tokens: int, seconds: float) -> list[bs.Record]:
+    """One repeat of a single request: ``tokens`` tokens in ``seconds``, chunks at even steps."""
+    times = [seconds * (i + 1) / tokens for i in range(tokens)]
+    return [bs.Record(start=0.0, end=seconds, chunk_times=times, chunk_texts=["x"] * tokens, tokens=tokens)]
+
+
+def test_repeats_give_medians_with_their_range_and_a_busy_warning():
+    steady = bs.summarize_repeats([_repeat(10, 1.0), _repeat(10, 1.05), _repeat(10, 0.95)])
+    assert steady["repeats"] == 3 and len(steady["by_repeat"]) == 3
+    assert steady["output_tokens_per_s"] == pytest.approx(10.0)  # the median repeat, not a pooled rate
+    assert steady["spread"]["output_tokens_per_s"] == pytest.approx(
+        {"median": 10.0, "min": 10 / 1.05, "max": 10 / 0.95, "repeats": 3})
+    assert steady["completed"] == 3 and steady["tpot"]["n"] == 3  # latencies pool every repeat's requests
+    stalled = bs.summarize_repeats([_repeat(10, 1.0), _repeat(10, 3.0), _repeat(10, 1.1)])  # one slow repeat
+    assert stalled["output_tokens_per_s"] == pytest.approx(10 / 1.1)
+    table = bs.markdown_table([{"label": "steady", "summary": steady}, {"label": "stalled", "summary": stalled}])
+    assert "| steady | 1.00 | 10.0 | 9.5–10.5 |" in table and "| stalled | 0.91 | 9.1 | 3.3–10.0 |" in table
+    assert table.count("warning: the machine looks busy") == 1
+    assert "stalled out tok/s ranged 3.33–10" in table and "stalled median TPOT ranged" in table
+    assert "steady out tok/s" not in table
+    assert bs.summarize_repeats([_repeat(10, 1.0)]) == bs.summarize(_repeat(10, 1.0))  # one repeat: as before
 
 
 def test_loopback_only():
@@ -168,7 +192,8 @@ def test_against_cascade_serve(family, tmp_path):
     with serve(topo, "--max-num-seqs", "4", log_dir=tmp_path) as served:
         run = subprocess.run(
             [sys.executable, "-c", "import sys; from cascade.cli import main; sys.exit(main())", "bench-serve",
-             "--base-url", served.base, "--prompts", str(prompts), "--concurrency", "2", "--num-requests", "4",
+             "--base-url", served.base, "--prompts", str(prompts), "--concurrency", "2", "--num-requests", "2",
+             "--repeats", "2",
              "--max-tokens", "12", "--seed", "1", "--temperature", "0.8", "--tokenizer", str(family / "large"),
              "--label", "cascade c=2", "--json", str(out / "r.json"), "--markdown", str(out / "r.md"),
              "--plot", str(out / "r.png")], capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -177,6 +202,10 @@ def test_against_cascade_serve(family, tmp_path):
     result = json.loads((out / "r.json").read_text())
     s = result["summary"]
     assert result["model"] == "served" and (s["requests"], s["completed"], s["failed"]) == (4, 4, 0)
+    # two repeats of two requests: the distributions pool all four, the throughput is a median with a range
+    assert result["repeats"] == 2 and [r["repeat"] for r in result["records"]] == [0, 0, 1, 1]
+    assert len(s["by_repeat"]) == 2 and s["spread"]["output_tokens_per_s"]["repeats"] == 2
+    assert "out tok/s by repeat" in run.stdout
     assert s["output_tokens"] == sum(r["tokens"] for r in result["records"])
     assert all(0 < r["tokens"] <= 12 for r in result["records"])
     assert s["ttft"]["n"] == 4 and s["itl"]["n"] == s["output_tokens"] - 4 - _tokens_in_first_chunks(

@@ -19,7 +19,11 @@ What is measured, per request (times on the client's clock):
 - end-to-end latency.
 
 Over the run: requests and output tokens per second (over the time from the first request sent
-to the last one finished), and the median, mean and p99 of each latency. Written as JSON
+to the last one finished), and the median, mean and p99 of each latency. With ``--repeats`` N
+the same load is sent N times in a row: the throughputs and median latencies become the median
+over the repeats with their range (min–max), the latency distributions pool every repeat's
+requests, and a range that shows the machine (client and server share it) was busy is named
+in a warning (:mod:`cascade.tools.timing`). Written as JSON
 (``--json``), a markdown table (``--markdown``, also printed) and a PNG of the latency
 distributions (``--plot``). ``--table A.json B.json ...`` renders earlier runs side by side
 instead (markdown, and ``--plot`` a chart of output tokens/s).
@@ -40,6 +44,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from cascade.cli import args as types
+from cascade.tools.timing import Spread, busy_warning
 
 # -- what one request recorded -----------------------------------------------------------------
 
@@ -186,6 +191,40 @@ def summarize(records: Sequence[Record], count: Callable[[str], int] | None = No
         "tokens_per_chunk": tokens / max(1, sum(len(r.chunk_times) for r in done)) if done else None,
         "errors": errors,
     }
+
+
+# Figures of one repeat whose spread over repeats is reported (name -> how to read it off a summary)
+_REPEATED: dict[str, Callable[[dict[str, Any]], float | None]] = {
+    "request_throughput": lambda s: s["request_throughput"],
+    "output_tokens_per_s": lambda s: s["output_tokens_per_s"],
+    "ttft_median_ms": lambda s: s["ttft"]["median_ms"],
+    "tpot_median_ms": lambda s: s["tpot"]["median_ms"],
+}
+
+
+def summarize_repeats(per_repeat: Sequence[Sequence[Record]],
+                      count: Callable[[str], int] | None = None) -> dict[str, Any]:
+    """:func:`summarize` of every repeat's requests pooled, with, for more than one repeat, each
+    figure of ``_REPEATED`` per repeat (``by_repeat``) and its median and range (``spread``); the
+    throughputs become the median over the repeats (a slow repeat moves them less than a pool)."""
+    summary = summarize([r for rs in per_repeat for r in rs], count)
+    if len(per_repeat) < 2:
+        return summary
+    figures = [{k: get(summarize(rs, count)) for k, get in _REPEATED.items()} for rs in per_repeat]
+    spread = {k: Spread.of(f[k] for f in figures).to_dict() for k in _REPEATED
+              if all(f[k] is not None for f in figures)}
+    summary.update(repeats=len(per_repeat), by_repeat=figures, spread=spread)
+    for k in ("request_throughput", "output_tokens_per_s"):
+        summary[k] = spread[k]["median"] if k in spread else None
+    return summary
+
+
+def run_warning(result: dict[str, Any]) -> str | None:
+    """The busy-machine warning for one run's summary (None: steady, or a single repeat)."""
+    names = {"output_tokens_per_s": "out tok/s", "tpot_median_ms": "median TPOT"}
+    spread = result["summary"].get("spread", {})
+    return busy_warning({f"{result['label']} {name}": Spread(d["median"], d["min"], d["max"], d["repeats"])
+                         for key, name in names.items() if (d := spread.get(key))})
 
 
 # -- the load ----------------------------------------------------------------------------------
@@ -342,6 +381,7 @@ def _message(exc) -> str:
 
 _COLUMNS = [("req/s", lambda s: s["request_throughput"], "{:.2f}"),
             ("out tok/s", lambda s: s["output_tokens_per_s"], "{:.1f}"),
+            ("out tok/s by repeat", lambda s: _range(s, "output_tokens_per_s"), "{:.1f}–{:.1f}"),
             ("TTFT med / p99 ms", lambda s: (s["ttft"]["median_ms"], s["ttft"]["p99_ms"]), "{:.0f} / {:.0f}"),
             ("TPOT med / p99 ms", lambda s: (s["tpot"]["median_ms"], s["tpot"]["p99_ms"]), "{:.1f} / {:.1f}"),
             ("ITL/token med / p99 ms", lambda s: (s["itl"]["median_ms"], s["itl"]["p99_ms"]), "{:.1f} / {:.1f}"),
@@ -351,8 +391,15 @@ _COLUMNS = [("req/s", lambda s: s["request_throughput"], "{:.2f}"),
             ("done / failed", lambda s: (s["completed"], s["failed"] + s["cancelled"]), "{} / {}")]
 
 
+def _range(summary: dict[str, Any], key: str) -> tuple[float | None, float | None]:
+    d = summary.get("spread", {}).get(key)
+    return (d["min"], d["max"]) if d else (None, None)
+
+
 def markdown_table(results: Sequence[dict[str, Any]]) -> str:
-    """One row per run: its label and the columns above."""
+    """One row per run: its label and the columns above (throughputs: the median over the repeats,
+    their range beside them; "-" for a single repeat), then a warning for each run whose range
+    says the machine was busy."""
     head = "| run | " + " | ".join(c for c, _, _ in _COLUMNS) + " |"
     rows = [head, "|" + "---|" * (len(_COLUMNS) + 1)]
     for res in results:
@@ -363,7 +410,8 @@ def markdown_table(results: Sequence[dict[str, Any]]) -> str:
             values = value if isinstance(value, tuple) else (value,)
             cells.append("-" if any(v is None for v in values) else fmt.format(*values))
         rows.append(f"| {res['label']} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+    warnings = [w for w in map(run_warning, results) if w]
+    return "\n".join(rows + ([""] + [f"**{w}**" for w in warnings] if warnings else []))
 
 
 def plot_run(result: dict[str, Any], raw: dict[str, list[float]], path: Path) -> None:
@@ -446,6 +494,9 @@ def add_parser(sub) -> None:
                    help="stop after this long; requests still running are cancelled (default 600)")
     p.add_argument("--warmup", type=types.nonnegative_int, default=1,
                    help="requests sent one at a time first, not counted (default 1)")
+    p.add_argument("--repeats", type=types.positive_int, default=1,
+                   help="send the same load this many times in a row; throughputs and median latencies are then the "
+                        "median over the repeats with their range, and a wide range is warned of (default 1)")
     p.add_argument("--max-tokens", type=types.positive_int, default=64)
     p.add_argument("--temperature", type=types.temperature, default=0.0)
     p.add_argument("--top-p", type=types.top_p, default=None)
@@ -489,8 +540,9 @@ def main(args) -> int:
     load = Load(prompts, args.num_requests or len(prompts), args.max_seconds,
                 concurrency=args.concurrency or (None if args.request_rate else 1), rate=args.request_rate,
                 chat=args.endpoint == "chat", body=body, arrival_seed=args.seed or 0)
-    records, model = asyncio.run(_bench(args, load))
-    summary = summarize(records, count)
+    per_repeat, model = asyncio.run(_bench(args, load))
+    records = [r for rs in per_repeat for r in rs]
+    summary = summarize_repeats(per_repeat, count)
     metrics = [request_metrics(r, count) for r in records if r.ok]
     raw = {"ttft": [m.ttft for m in metrics], "tpot": [m.tpot for m in metrics if m.tpot is not None],
            "itl": [g for m in metrics for g in m.itl], "chunk_gap": [g for m in metrics for g in m.chunk_gaps],
@@ -501,12 +553,14 @@ def main(args) -> int:
               "num_requests": load.num_requests, "max_seconds": args.max_seconds, "request": body,
               "seed": args.seed, "token_count": "tokenizer" if count else "characters",
               "summary": summary, "raw_s": raw,
-              "records": [asdict(r) for r in records]}
+              "repeats": len(per_repeat),
+              "records": [asdict(r) | {"repeat": k} for k, rs in enumerate(per_repeat) for r in rs]}
     _emit([result], args, raw)
     return 0 if summary["completed"] else 1
 
 
-async def _bench(args, load: Load) -> tuple[list[Record], str]:
+async def _bench(args, load: Load) -> tuple[list[list[Record]], str]:
+    """The warm-up, then the load ``args.repeats`` times in a row: each repeat's records."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=args.timeout)
@@ -517,7 +571,7 @@ async def _bench(args, load: Load) -> tuple[list[Record], str]:
         warm = Load(load.prompts, args.warmup, load.max_seconds, concurrency=1, chat=load.chat, body=load.body)
         if args.warmup:
             await run_load(client, model, warm)
-        return await run_load(client, model, load), model
+        return [await run_load(client, model, load) for _ in range(args.repeats)], model
     finally:
         await client.close()
 
