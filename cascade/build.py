@@ -83,9 +83,11 @@ def build_worker(
         from workers.hf import HFWorker
 
         where = f"{source}: levels[{index}].model"
-        check_checkpoint(model_path, where)  # a corrupt or truncated file: named, before torch reads it
+        if level.gguf_file is None:  # a corrupt or truncated file: named, before torch reads it
+            check_checkpoint(model_path, where)
         try:
-            return HFWorker(model_path, level.dtype, device or level.device, level.trust_remote_code)
+            return HFWorker(model_path, level.dtype, device or level.device, level.trust_remote_code,
+                            gguf_file=level.gguf_file)
         except (OSError, SafetensorError) as exc:
             raise TopologyError(f"{where}: cannot load: {exc}") from None
     if level.kind == "ngram":
@@ -129,9 +131,20 @@ def load_tokenizer(topo: Topology):
         if auth.kind != "hf":
             return None
         path = topo.model_path(auth)
+        if auth.gguf_file is not None:
+            return _gguf_tokenizer(topo, path, auth.gguf_file)
         if not has_tokenizer(path):
             return None
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - report any loader failure as a topology problem
         raise TopologyError(f"{topo.source}: tokenizer: cannot load from {path}: {exc}") from None
+
+
+def _gguf_tokenizer(topo: Topology, path: str, gguf_file: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    except Exception as exc:  # noqa: BLE001 - report any loader failure as a topology problem
+        raise TopologyError(f"{topo.source}: tokenizer: cannot load from {path}/{gguf_file}: {exc}") from None

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cascade.errors import TopologyError
+from cascade.pull import PULLED, PullError, resolve_pulled
 from cascade.sampling import Sampling, SamplingOverride
 from cascade.validation import DEVICE_PATTERN
 
@@ -44,7 +45,12 @@ class LevelSpec(BaseModel):
         description="'hf' (transformers causal LM), 'ngram' (prompt lookup) or 'module:Class' "
         "for a custom Worker built as Class(**params).",
     )
-    model: str | None = Field(None, description="Hub id or path (relative to the YAML file); hf only.")
+    model: str | None = Field(
+        None, description="Hub id, path (relative to the YAML file), or 'pulled:NAME' for a model "
+        "`cascade pull NAME` put in the user cache; hf only.")
+    gguf_file: str | None = Field(
+        None, description="A GGUF file inside 'model' (a folder) to load and dequantize, as "
+        "transformers' from_pretrained(gguf_file=) does; hf only.")
     dtype: Literal["float32", "float16", "bfloat16", "float64", "auto"] = Field(
         "float32", description="Weights and activations dtype."
     )
@@ -69,6 +75,8 @@ class LevelSpec(BaseModel):
             raise ValueError("an 'hf' level needs a 'model' (hub id or path)")
         if self.kind == "ngram" and self.model:
             raise ValueError("an 'ngram' level takes no 'model'")
+        if self.gguf_file is not None and self.kind != "hf":
+            raise ValueError("'gguf_file' is for 'hf' levels")
         return self
 
 
@@ -177,8 +185,14 @@ class Topology:
     base_dir: Path
 
     def model_path(self, level: LevelSpec) -> str:
-        """The model reference as from_pretrained should see it (paths made absolute)."""
+        """The model reference as from_pretrained should see it (paths made absolute, a
+        ``pulled:NAME`` resolved to its cache folder)."""
         assert level.model is not None
+        if level.model.startswith(PULLED):
+            try:
+                return str(resolve_pulled(level.model))
+            except PullError as exc:
+                raise TopologyError(f"{self.source}: levels[{self.spec.level_index(level.name)}].model: {exc}") from None
         candidate = (self.base_dir / level.model).expanduser()
         return str(candidate.resolve()) if candidate.exists() else level.model
 
@@ -317,8 +331,11 @@ def check_model_files(topo: Topology) -> None:
         if level.kind != "hf":
             continue
         ref = level.model or ""
-        local = (topo.base_dir / ref).expanduser()
-        if local.exists():
+        local = Path(topo.model_path(level)) if ref.startswith(PULLED) else (topo.base_dir / ref).expanduser()
+        if level.gguf_file is not None:
+            if not (local / level.gguf_file).is_file():
+                raise TopologyError(f"{src}: levels[{i}].gguf_file: no such file: {local / level.gguf_file}")
+        elif local.exists():
             if not (local / "config.json").is_file():
                 raise TopologyError(f"{src}: levels[{i}].model: {local} has no config.json")
             check_checkpoint(local, f"{src}: levels[{i}].model")
@@ -356,14 +373,17 @@ def _check_vocabularies(topo: Topology) -> None:
     for i, lv in hf:
         path = topo.model_path(lv)
         vocab = None
-        if has_tokenizer(path):
+        kwargs = {"trust_remote_code": lv.trust_remote_code}
+        if lv.gguf_file is not None:
+            kwargs["gguf_file"] = lv.gguf_file
+        if lv.gguf_file is not None or has_tokenizer(path):
             try:
-                tok = AutoTokenizer.from_pretrained(path, trust_remote_code=lv.trust_remote_code)
+                tok = AutoTokenizer.from_pretrained(path, **kwargs)
                 vocab = tok.get_vocab()
             except Exception as exc:  # noqa: BLE001 - any loader failure is a topology problem
                 raise TopologyError(f"{src}: levels[{i}].model: cannot load its tokenizer: {exc}") from None
         try:
-            size = AutoConfig.from_pretrained(path, trust_remote_code=lv.trust_remote_code).vocab_size
+            size = AutoConfig.from_pretrained(path, **kwargs).vocab_size
         except Exception as exc:  # noqa: BLE001
             raise TopologyError(f"{src}: levels[{i}].model: cannot read its config: {exc}") from None
         vocab_of[i] = (vocab, size)

@@ -36,16 +36,19 @@ class HFWorker(Worker):
         device: str = "auto",
         trust_remote_code: bool = False,
         lean: bool = True,
+        gguf_file: str | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(device)
         torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
+        # A GGUF file is dequantized by transformers into a plain model of this dtype.
+        source = {"gguf_file": gguf_file} if gguf_file else {"use_safetensors": True}
         self.model = AutoModelForCausalLM.from_pretrained(
             model,
             dtype=torch_dtype,
-            use_safetensors=True,
             trust_remote_code=trust_remote_code,
+            **source,
         ).to(self.device)
         self.model.eval()
         self._setup(lean)

@@ -19,6 +19,8 @@ _COMMAND_MODULES = (
     "cascade.tools.bench",
     "cascade.tools.bench_serve",
     "cascade.train.distill",
+    "cascade.train.record",
+    "cascade.tools.pull",
     "cascade.train.family_eval",
     "cascade.tools.run",
     "cascade.serve.cli",
