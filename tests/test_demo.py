@@ -60,3 +60,26 @@ def test_demo_reports_a_bad_prompts_file(family, tmp_path, capsys):
     bad.write_text('{"text": "no prompt field"}\n')
     assert main(["demo", "--topology", str(topo), "--prompts", str(bad)]) == 1
     assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_demo_headline_and_busy_warning_on_given_timings(capsys):
+    """The headline is each kind's median speedup with its range over the repeats; a range of plain
+    decoding's speed wider than the limit is warned of, and a steady speedup beside it is said."""
+    from cascade.tools.demo import Mode, _headline
+
+    def mode(label, plain_seconds, cascade_seconds):
+        m = Mode(label, None, None, len(plain_seconds))
+        m.plain_time = [[96, s] for s in plain_seconds]
+        m.cascade_time = [[96, s] for s in cascade_seconds]
+        return m
+
+    _headline([mode("greedy", [1.0, 1.05, 1.1], [0.8, 0.8, 0.9]), mode("sampled", [1.0, 1.0, 1.0], [0.9, 0.9, 0.9])])
+    out = capsys.readouterr().out
+    assert "median of 3 repeat(s) (min–max): greedy: 1.25x (1.22–1.31); sampled: 1.11x (1.11–1.11)" in out
+    assert "busy" not in out
+    _headline([mode("greedy", [1.0, 2.0, 1.1], [0.8, 1.6, 0.88])])  # one repeat twice as slow on both sides
+    out = capsys.readouterr().out
+    assert "greedy plain tok/s ranged 48–96" in out and "The speedups stayed steady" in out
+    _headline([mode("greedy", [1.0, 2.0, 1.1], [0.8, 0.8, 0.88])])  # ... on one side only
+    out = capsys.readouterr().out
+    assert "greedy speedup ranged" in out and "stayed steady" not in out
