@@ -10,7 +10,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 (:mod:`cascade.serve.playground`). Streaming answers are server-sent events, one
 ``data: {json}`` chunk per engine step that committed text, then ``data: [DONE]``. Every
 error is ``{"error": {"message", "type", "param", "code"}}``; see :mod:`cascade.serve.protocol`
-for what is refused.
+for what is refused. A body over ``max_body_bytes`` is refused with 413 before it is read whole
+(by its Content-Length, or as a chunked body streams in).
 """
 from __future__ import annotations
 
@@ -34,10 +35,14 @@ from cascade.serve.server import Job, Overloaded, Server, Unavailable
 _DISCONNECT_POLL_S = 0.5
 
 
-def build_app(server: Server | None = None) -> FastAPI:
-    """The app; ``server`` is installed as ``app.state.server`` (or install it later)."""
+def build_app(server: Server | None = None, *, max_body_bytes: int = proto.MAX_BODY_BYTES) -> FastAPI:
+    """The app; ``server`` is installed as ``app.state.server`` (or install it later).
+    ``max_body_bytes``: larger request bodies are refused with 413."""
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise RequestError(f"max_body_bytes: must be an integer >= 1 (got {max_body_bytes!r})")
     app = FastAPI(title="cascade", description="OpenAI-compatible server over an exact speculative cascade")
     app.state.server = server
+    app.state.max_body_bytes = max_body_bytes
     app.add_exception_handler(proto.ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _http_error)
@@ -107,13 +112,7 @@ def _server(request: Request) -> Server:
 
 
 async def _parse(request: Request, model: type, server: Server):
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise proto.ApiError(400, f"request body: malformed JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise proto.ApiError(400, f"request body: expected a JSON object, got {type(body).__name__}")
+    body = proto.parse_body(await _read_body(request))
     try:
         req = model.model_validate(body)
     except ValidationError as exc:
@@ -124,21 +123,48 @@ async def _parse(request: Request, model: type, server: Server):
     return req
 
 
+async def _read_body(request: Request) -> bytes:
+    """The body, refused with 413 above the app's limit: by its Content-Length before any of it
+    is read, and (a chunked body declares none) as soon as what came exceeds the limit."""
+    limit = request.app.state.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"{int(declared)} bytes", limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"more than {limit} bytes", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: str, limit: int) -> proto.ApiError:
+    return proto.ApiError(413, f"request body: {size} is over this server's limit of {limit} bytes "
+                               "(cascade serve --max-body-bytes)")
+
+
 async def _submit(server: Server, req, prompt, max_tokens: int, limit_field: str, prompt_field: str) -> Job:
     try:
         return await server.submit(prompt, max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                              seed=req.seed, stop=req.stop, provenance=req.return_provenance,
                              policy=req.policy)
     except RequestError as exc:
-        err = proto.request_error(exc, prompt_field)
-        if err.param == "max_tokens" and limit_field != "max_tokens":
-            err = proto.ApiError(400, limit_field + err.message[len("max_tokens"):], limit_field)
-        raise err from None
+        # raised straight from the call: an error bound to a name here would hold this frame,
+        # and with it the refused prompt, in a reference cycle until the collector ran
+        raise _refused(exc, limit_field, prompt_field) from None
     except Overloaded as exc:
         raise proto.ApiError(429, f"server overloaded: {exc}; retry later", type="rate_limit_error",
                              extra={"retry_after": exc.retry_after}) from None
     except Unavailable as exc:
         raise proto.ApiError(503, f"server unavailable: {exc}", type="service_unavailable") from None
+
+
+def _refused(exc: RequestError, limit_field: str, prompt_field: str) -> proto.ApiError:
+    err = proto.request_error(exc, prompt_field)
+    if err.param == "max_tokens" and limit_field != "max_tokens":
+        err = proto.ApiError(400, limit_field + err.message[len("max_tokens"):], limit_field)
+    return err
 
 
 async def _respond(request: Request, server: Server, req, job: Job, chat: bool) -> Response:

@@ -5,6 +5,8 @@ from pathlib import Path
 
 from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
+from cascade.serve.protocol import MAX_BODY_BYTES
+from policies import REGISTRY
 
 
 def add_parser(sub) -> None:
@@ -26,6 +28,12 @@ def add_parser(sub) -> None:
                    help="override every level's device (cpu, cuda:0, auto)")
     p.add_argument("--served-model-name", type=types.nonempty, default=None,
                    help="the model id clients name (default: the topology's name)")
+    p.add_argument("--max-body-bytes", type=types.positive_int, default=MAX_BODY_BYTES, metavar="N",
+                   help="larger request bodies are refused with 413 before they are read "
+                        f"(default {MAX_BODY_BYTES} = {MAX_BODY_BYTES >> 20} MiB)")
+    p.add_argument("--allow-policy", type=_policy_class, action="append", default=[], metavar="MODULE:CLASS",
+                   help="let requests name this policy class in their policy field (repeatable); requests "
+                        f"may name the registered policies ({', '.join(sorted(REGISTRY))}) and these only")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--backend", choices=["embedded", "ray"], default="embedded",
                    help="ray: deploy the same app on Ray Serve, the topology's serve: section giving "
@@ -34,6 +42,22 @@ def add_parser(sub) -> None:
                    help="with --backend ray: the Ray cluster (default: the topology's ray.address; unset: "
                         "RAY_ADDRESS or the one `ray start` runs here, else a private runtime)")
     p.set_defaults(func=serve)
+
+
+def _policy_class(text: str) -> str:
+    """A ``module:Class`` policy path, imported and checked now (the operator's, so trusted)."""
+    import argparse
+
+    from policies import PolicyError, resolve
+
+    if ":" not in text or text in REGISTRY:
+        raise argparse.ArgumentTypeError(f"expected a module:Class path (the registered policies are allowed "
+                                         f"already), got {text!r}")
+    try:
+        resolve(text)
+    except PolicyError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (got {text!r})") from None
+    return text
 
 
 @guarded
@@ -58,15 +82,15 @@ def serve(args) -> int:
     cascade = Cascade.from_topology(args.topology, policy=args.policy or None, device=args.device)
     try:
         server = Server(cascade, model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
-                        max_queued=args.max_queued, chat_template=template)
+                        max_queued=args.max_queued, chat_template=template, allow_policies=args.allow_policy)
     except BaseException:
         cascade.close()
         raise
     try:
         server.start()
         # streams still open at shutdown get a few seconds to end, then the server closes them
-        uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(build_app(server, max_body_bytes=args.max_body_bytes), host=args.host, port=args.port,
+                    log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
         server.close()
     return 0

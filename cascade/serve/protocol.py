@@ -9,10 +9,18 @@ Unknown fields are refused (400, naming the field), as OpenAI's own API does: a 
 ``max_token`` would otherwise silently fall back to a default. OpenAI fields cascade does not
 implement (``logprobs``, ``echo``, ``presence_penalty``, ...) are accepted at their neutral
 value and refused otherwise.
+
+Before any of that, :func:`parse_body` refuses a body that is not a JSON object, that nests
+deeper than :data:`MAX_DEPTH` (100k levels would otherwise exhaust the parser's recursion), or
+whose text is not valid Unicode (a lone surrogate such as ``"\\ud800"`` that no tokenizer can
+encode), each as a 400 naming the field. The body's size is bounded before it is read
+(:data:`MAX_BODY_BYTES`, 413: :mod:`cascade.serve.app`).
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -21,6 +29,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # cascade's parameter names -> the request fields they come from
 PARAM_NAMES = {"max_new_tokens": "max_tokens"}
+#: the largest request body read by default (``cascade serve --max-body-bytes``): far more text
+#: than any served context holds, small enough that a body is never a memory or time hazard
+MAX_BODY_BYTES = 4 * 1024 * 1024
+#: how deeply a request body may nest (OpenAI's shapes need 4: messages[i].content[j].text)
+MAX_DEPTH = 32
+_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's \uXXXX escapes can write them; UTF-8 cannot
 
 
 class ApiError(Exception):
@@ -38,6 +52,84 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status,
                           **self.extra}}
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body -> its JSON object; an :class:`ApiError` (400) otherwise, naming the field
+    where one is at fault: too deeply nested, or text that is not valid Unicode."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:  # deeper than the parser's recursion allows: find the field it is in
+        field = _deep_field(raw)
+        where = f"{field}: " if field else "request body: "
+        raise ApiError(400, f"{where}nested too deeply (more than {MAX_DEPTH} levels)", field) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body: malformed JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body: expected a JSON object, got {type(body).__name__}")
+    _check_values(body)
+    return body
+
+
+def _check_values(body: dict[str, Any]) -> None:
+    """Refuse nesting deeper than MAX_DEPTH and lone surrogates, in values and keys, naming the
+    field (walked with a stack, not recursion: the check must not be what overflows)."""
+    stack: list[tuple[tuple[str, ...], Any]] = [((), body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+            continue
+        if len(path) >= MAX_DEPTH:
+            raise ApiError(400, f"{path[0]}: nested too deeply (more than {MAX_DEPTH} levels)", path[0])
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_text(key, path + (_printable(key),), "a field name")
+            if isinstance(item, (str, list, dict)):  # numbers, booleans, null: nothing to check
+                stack.append((path + (_printable(str(key)),), item))
+
+
+def _check_text(text: str, path: tuple[str, ...], what: str = "text") -> None:
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        param = ".".join(path)
+        raise ApiError(400, f"{param}: {what} that is not valid Unicode: a lone surrogate "
+                            f"{bad.group()!r} at character {bad.start()} (text must be encodable as UTF-8)",
+                       param)
+
+
+def _printable(key: str) -> str:
+    """A field name fit for an error message (a lone surrogate cannot be sent as UTF-8)."""
+    return key.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _deep_field(raw: bytes) -> str | None:
+    """The top-level field whose value the JSON parser could not descend, or None: the
+    object's members are decoded one at a time until one overflows."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+        decoder, ws = json.JSONDecoder(), json.decoder.WHITESPACE
+        i = ws.match(text, 0).end()
+        if text[i:i + 1] != "{":
+            return None
+        i = ws.match(text, i + 1).end()
+        while text[i:i + 1] == '"':
+            key, i = json.decoder.scanstring(text, i + 1)
+            i = ws.match(text, i).end()
+            if text[i:i + 1] != ":":
+                return None
+            try:
+                _, i = decoder.raw_decode(text, ws.match(text, i + 1).end())
+            except RecursionError:
+                return _printable(key)
+            i = ws.match(text, i).end()
+            if text[i:i + 1] != ",":
+                return None
+            i = ws.match(text, i + 1).end()
+    except ValueError:  # malformed around the members: no field to name
+        return None
+    return None
 
 
 def request_error(exc: Exception, prompt_field: str = "prompt") -> ApiError:
@@ -174,6 +266,8 @@ class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = Field(None, description="a tool message's answer to that call (OpenAI's); "
+                                                      "handed to the chat template")
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -182,6 +276,8 @@ class Message(_Strict):
         out = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 

@@ -40,6 +40,8 @@ class ReplicaOptions:
     max_num_seqs: int = 16
     max_queued: int = 64
     chat_template: str | None = None  # the template's text
+    allow_policies: tuple[str, ...] = ()  # module:Class policies requests may name (--allow-policy)
+    max_body_bytes: int | None = None  # larger request bodies get 413 (None: the app's default)
 
 
 class CascadeReplica:
@@ -50,11 +52,13 @@ class CascadeReplica:
         from cascade.api import Cascade
         from cascade.serve.server import Server
 
+        self.options = options
         cascade = Cascade.from_topology(options.topology, backend="ray", policy=options.policy,
                                         device=options.device)
         try:
             self.server = Server(cascade, model_name=options.model_name, max_num_seqs=options.max_num_seqs,
-                                 max_queued=options.max_queued, chat_template=options.chat_template)
+                                 max_queued=options.max_queued, chat_template=options.chat_template,
+                                 allow_policies=options.allow_policies)
         except BaseException:
             cascade.close()
             raise
@@ -63,7 +67,8 @@ class CascadeReplica:
     def __serve_build_asgi_app__(self):
         from cascade.serve.app import build_app
 
-        return build_app(self.server)
+        limit = self.options.max_body_bytes
+        return build_app(self.server) if limit is None else build_app(self.server, max_body_bytes=limit)
 
     def __del__(self):  # Ray Serve stops a replica by deleting it: free its actors and group
         server = getattr(self, "server", None)
@@ -96,7 +101,8 @@ def serve_on_ray(args, chat_template: str | None) -> int:
     spec = topo.spec.serve
     options = ReplicaOptions(str(Path(args.topology).resolve()), args.policy or None, args.device,
                              args.served_model_name or topo.spec.name, args.max_num_seqs, args.max_queued,
-                             chat_template)
+                             chat_template, allow_policies=tuple(args.allow_policy),
+                             max_body_bytes=args.max_body_bytes)
     address = args.address or topo.spec.ray.address or ("auto" if os.environ.get("RAY_ADDRESS") else "local")
     owns, private_token = _connect(address, topo.spec.ray.namespace, os.cpu_count() or 1)
     stop = _Stop()
