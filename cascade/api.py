@@ -24,6 +24,8 @@ from workers.base import Worker
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+# half of a UTF-16 pair, alone: a Python str can hold one, UTF-8 (and so a tokenizer) cannot
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # why a stop string needs a tokenizer, and what to do without one
 _STOP_NEEDS = "stop strings are matched in the decoded text; leave stop out, or give the topology a tokenizer"
 
@@ -183,10 +185,9 @@ class Cascade:
                                    top_p=top_p, seed=seed, stop=stop, coupling=coupling)
         prompt = normalize_prompt(prompt, "prompt")
         pol = _policy_arg(policy, {}, "stream")
-        with self._lock:
-            self._check_open()
-            self.require_tokenizer("stream", "it yields text; use generate, which takes and returns token ids")
-            state = self._start(prompt, params, params.seed, "prompt")
+        self._check_open()
+        self.require_tokenizer("stream", "it yields text; use generate, which takes and returns token ids")
+        state = self._start(prompt, params, params.seed, "prompt")  # no lock: see request
         return self._stream(state, list(params.stop or ()), pol)
 
     def _stream(self, state: RequestState, stops: list[str], policy: Policy | None) -> Iterator[str]:
@@ -220,9 +221,10 @@ class Cascade:
                                    top_p=top_p, seed=seed, coupling=coupling, provenance=provenance)
         prompt = normalize_prompt(prompt, "prompt")
         pol = _policy_arg(policy, {}, "request", topology=self.topology)
-        with self._lock:
-            self._check_open()
-            state = self._start(prompt, params, params.seed, "prompt")
+        self._check_open()
+        # Not under the lock: tokenizing and checking touch no worker, and a long prompt must
+        # not hold up the steps of a batch another thread is running (a server's).
+        state = self._start(prompt, params, params.seed, "prompt")
         state.policy = pol
         return state
 
@@ -329,7 +331,12 @@ class Cascade:
             err = exc.errors()[0]
             raise RequestError(f"{err['loc'][0]}: {err['msg']} (got {err.get('input')!r})") from None
         if isinstance(prompt, str):
-            ids = self.require_tokenizer().encode(prompt, add_special_tokens=False)
+            tokenizer = self.require_tokenizer()
+            bad = _SURROGATE.search(prompt)
+            if bad is not None:  # the tokenizer would fail with a TypeError that names nothing
+                raise RequestError(f"{where}: text that is not valid Unicode: a lone surrogate {bad.group()!r} at "
+                                   f"character {bad.start()} (text must be encodable as UTF-8)")
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
             if not ids:
                 raise RequestError(f"{where}: the text encodes to no tokens (got {prompt!r})")
         else:

@@ -110,6 +110,8 @@ def parse_policy_spec(text: str) -> tuple[str, dict[str, Any]]:
             params[key.strip()] = yaml.load(value, Loader=_NoAliasLoader)  # a SafeLoader without aliases
         except yaml.YAMLError as exc:
             raise PolicyError(f"params.{key.strip()}: cannot parse {value!r}: {exc}") from None
+        except RecursionError:  # yaml composes recursively: a few KB of brackets overflow it
+            raise PolicyError(f"params.{key.strip()}: cannot parse the value: nested too deeply") from None
     name = name.strip()
     if not name:
         raise PolicyError(f"name: empty policy name in {text!r}")

@@ -11,6 +11,14 @@ cross over as :class:`Update` objects put into each request's ``asyncio.Queue`` 
 ``max_queued`` others waiting (beyond the batch's free places) is refused with
 :class:`Overloaded` (HTTP 429).
 
+A request is checked and tokenized in a worker thread, outside the Cascade's lock: a long
+prompt holds up neither the event loop nor a step. Long text prompts take one thread of their
+own (so at most one long prompt's tokenizer memory exists at a time, and short prompts never
+queue behind them), and the memory their tokenizing freed is handed back to the system. A
+request names only the policies this server offers: the registered names, and the
+``module:Class`` paths its operator allowed (``allow_policies``); nothing a client sends is
+imported.
+
 A worker failure (:class:`~cascade.errors.WorkerError`) ends the requests of the failing step
 with an error that carries what they had committed; the loop goes on with the rest. Any other
 exception kills the loop: every request in flight ends with an error, ``/health`` says 503.
@@ -19,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import functools
 import json
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
@@ -32,12 +42,14 @@ from cascade.engine import RequestState
 from cascade.errors import RequestError, WorkerError
 from cascade.serve.metrics import Metrics, RecordingPolicy
 from cascade.stats import StepProvenance
-from policies import Policy, parse_policy_spec
+from policies import REGISTRY, Policy, PolicyError, parse_policy_spec, resolve
 
 log = logging.getLogger(__name__)
 
 #: how many request-named policy specs a server keeps a (shared, learning) policy for
 SPEC_POLICIES = 16
+#: a text prompt at least this long (characters) is tokenized in the long prompts' thread
+LONG_PROMPT_CHARS = 1 << 16
 
 
 @dataclass
@@ -117,15 +129,19 @@ class Job:
 class Server:
     """Owns one :class:`~cascade.api.Cascade` and the thread that steps its batch.
 
-    ``policy`` overrides the topology's for the served batch. Call :meth:`start` before
-    submitting and :meth:`close` at the end (it also closes the cascade).
+    ``policy`` overrides the topology's for the served batch. ``allow_policies``: the
+    ``"module:Class"`` policies requests may name besides the registered ones (imported here,
+    once: the operator is trusted, a request is not). Call :meth:`start` before submitting and
+    :meth:`close` at the end (it also closes the cascade).
     """
 
     def __init__(self, cascade: Cascade, *, model_name: str | None = None, max_num_seqs: int = 16,
-                 max_queued: int = 64, chat_template: str | None = None, policy: Policy | None = None):
+                 max_queued: int = 64, chat_template: str | None = None, policy: Policy | None = None,
+                 allow_policies: Sequence[str] = ()):
         if max_num_seqs < 1 or max_queued < 0:
             raise RequestError(f"max_num_seqs: need max_num_seqs >= 1 and max_queued >= 0, "
                                f"got {max_num_seqs}, {max_queued}")
+        self.allowed_policies = _offered_policies(allow_policies)
         self.cascade = cascade
         topo = cascade.topology
         self.model_name = model_name or topo.spec.name or topo.source.rsplit("/", 1)[-1].rsplit(".", 1)[0]
@@ -146,6 +162,7 @@ class Server:
         self._thread: threading.Thread | None = None
         self.dead: str | None = None  # why the engine loop stopped, if it did not stop on close()
         self.authority_error: str | None = None  # the authority's last failure, until a step succeeds
+        self._long_prompts = ThreadPoolExecutor(1, thread_name_prefix="cascade-long-prompts")
 
     # -- the handlers' side (event loop) -------------------------------------------------------
 
@@ -170,11 +187,9 @@ class Server:
             raise Unavailable(self.dead or "the server is shutting down")
         text = self.cascade.text_stream(stop)  # checks the stop strings (and that they can be found)
         loop = asyncio.get_running_loop()
-        # Cascade.request waits for the Cascade's lock, which a batch step holds: wait in a
-        # thread, so that the event loop never waits on a forward pass.
-        state = await loop.run_in_executor(None, functools.partial(
-            self.cascade.request, prompt, max_new_tokens, temperature, top_k, top_p, seed,
-            provenance=provenance, policy=policy))
+        long = isinstance(prompt, str) and len(prompt) >= LONG_PROMPT_CHARS
+        state = await loop.run_in_executor(self._long_prompts if long else None, functools.partial(
+            self._request, prompt, max_new_tokens, temperature, top_k, top_p, seed, provenance, policy, long))
         if state.policy is not None:
             state.policy = self._shared_policy(policy, state.policy)
         job = Job(state, prompt, text, loop, arrived)
@@ -186,6 +201,32 @@ class Server:
             self.metrics.waiting.set(len(self._waiting))
             self._wake.notify()
         return job
+
+    def _request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, provenance, policy,
+                 long: bool) -> RequestState:
+        """Cascade.request (in a worker thread; it tokenizes without the Cascade's lock), for a
+        policy this server offers only."""
+        try:
+            if policy is not None:
+                self._check_policy(policy)
+            return self.cascade.request(prompt, max_new_tokens, temperature, top_k, top_p, seed,
+                                        provenance=provenance, policy=policy)
+        finally:
+            if long:
+                _release_memory()
+
+    def _check_policy(self, spec: str) -> None:
+        """A request's policy spec names a policy this server offers (before anything builds it:
+        building a ``module:Class`` would import the module)."""
+        try:
+            name, _ = parse_policy_spec(spec)
+        except PolicyError as exc:
+            raise RequestError(f"policy: {exc}") from None
+        if name not in self.allowed_policies:
+            offered = sorted(REGISTRY) + sorted(p for p in self.allowed_policies if p not in REGISTRY
+                                                and p not in REGISTRY.values())
+            raise RequestError(f"policy: name: {name!r} is not a policy this server offers; it offers {offered} "
+                               "(its operator can allow another with cascade serve --allow-policy module:Class)")
 
     def _shared_policy(self, spec: str, fresh: Policy) -> RecordingPolicy:
         """The policy of requests naming ``spec``: ``fresh`` (just built and bound from it) for
@@ -253,6 +294,7 @@ class Server:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
         self._end_all("the server is shutting down")
+        self._long_prompts.shutdown(wait=False, cancel_futures=True)
         self.cascade.close()
 
     # -- the engine thread -----------------------------------------------------------------------
@@ -388,3 +430,33 @@ class Server:
 
 # cascade's finish reasons -> vLLM's request_success labels
 _REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "abort"}
+
+
+def _offered_policies(allowed: Sequence[str]) -> frozenset[str]:
+    """The policy names a request may give: the registered names and their classes' paths, and
+    the operator's ``allowed`` (each resolved now, so that a bad one fails at start)."""
+    if isinstance(allowed, str):
+        allowed = [allowed]
+    for path in allowed:
+        try:
+            resolve(path)
+        except PolicyError as exc:
+            raise RequestError(f"allow_policies: {exc}") from None
+    return frozenset(REGISTRY) | frozenset(REGISTRY.values()) | frozenset(allowed)
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return None
+
+
+def _release_memory() -> None:
+    """Hand free heap memory back to the system. glibc keeps what a long prompt's tokenizing
+    freed in its thread's arena, so a server's memory would only ever grow with the longest
+    prompts it refused; ``malloc_trim`` returns it (a no-op elsewhere)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
