@@ -109,6 +109,22 @@ def test_request_and_stream_name_their_prompt(table):
         table.stream([1], max_new_tokens=0)  # checked at the call, not at the first chunk
 
 
+def test_text_that_is_not_valid_unicode_is_named(family, tmp_path):
+    """A lone surrogate (half of a UTF-16 pair) can sit in a Python str but no tokenizer can
+    encode it: a RequestError naming the prompt, not the tokenizer's TypeError."""
+    path = write_topology(tmp_path / "t.yaml", family_topology(family, ["tiny", "large"]))
+    with Cascade.from_topology(path) as c:
+        calls = [(lambda: c.generate("def f(\ud800):", max_new_tokens=2), "prompts"),
+                 (lambda: c.generate(["x = 1", "a\udc00"], max_new_tokens=2), r"prompts\[1\]"),
+                 (lambda: c.request("\ud800"), "prompt"),
+                 (lambda: c.stream("\udfff", max_new_tokens=2), "prompt")]
+        for call, where in calls:
+            with pytest.raises(RequestError, match=rf"^{where}: text that is not valid Unicode: a lone surrogate "
+                                                   r"'\\ud[8-f]..' at character \d+"):
+                call()
+        assert c.generate("def f(x):", max_new_tokens=2).token_ids  # and it goes on
+
+
 def test_what_needs_a_tokenizer_is_named(table):
     """Without a tokenizer, the error names what needed one: the text prompt, the stop strings,
     the text stream."""
@@ -345,6 +361,10 @@ CLI_CASES = [  # (arguments, the option the one-line message must name); the top
     (["generate", "--policy", "nosuch", "x"], "--policy"),
     (["run", "--prompts", "p", "-o", "o", "--limit", "0"], "--limit"),
     (["run", "--prompts", "p", "-o", "o", "--limit", "-1"], "--limit"),
+    (["serve", "--max-body-bytes", "0"], "--max-body-bytes"),
+    (["serve", "--allow-policy", "fixed"], "--allow-policy"),  # registered: allowed already
+    (["serve", "--allow-policy", "no_such_module:Policy"], "--allow-policy"),
+    (["serve", "--allow-policy", "builtins:eval"], "--allow-policy"),  # not a Policy
 ]
 
 
