@@ -7,6 +7,8 @@ message names the file, the field and what is wrong.
 """
 from __future__ import annotations
 
+import inspect
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,6 +220,8 @@ class _NoAliasLoader(yaml.SafeLoader):
 
 def load_topology(path: str | Path, check_models: bool = True) -> Topology:
     """Read, validate and graph a topology file. Raises :class:`TopologyError`."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TopologyError(f"topology: expected the path of a YAML file (a str or pathlib.Path), got {path!r}")
     path = Path(path)
     if not path.is_file():
         raise TopologyError(f"{path}: topology file not found")
@@ -250,12 +254,15 @@ def topology_from_dict(
 
 
 def check_params(spec: TopologySpec, graph: nx.DiGraph, authority: str, source: str = "<spec>") -> None:
-    """The policy (its name, its parameters, and how they fit the graph) and the n-gram levels'
-    parameters, checked as loading will use them, before any model loads."""
+    """The policy (its name, its parameters, and how they fit the graph), the n-gram levels'
+    parameters and the custom levels' classes and parameters, checked as loading will use them,
+    before any model loads."""
     from policies import PolicyError, from_spec
     from workers.ngram import NGramParams
 
     for i, level in enumerate(spec.levels):
+        if level.kind not in ("hf", "ngram"):
+            check_custom_worker(level.kind, level.params, f"{source}: levels[{i}]")
         if level.kind == "ngram":
             try:
                 NGramParams.model_validate(level.params)
@@ -266,6 +273,31 @@ def check_params(spec: TopologySpec, graph: nx.DiGraph, authority: str, source: 
         from_spec(spec.policy.model_dump()).bind(graph, authority)
     except PolicyError as exc:
         raise TopologyError(f"{source}: policy.{exc}") from None
+
+
+def check_custom_worker(kind: str, params: dict[str, Any], where: str) -> type:
+    """The Worker class a ``"module:Class"`` level names, imported and checked as building it
+    will use it: a concrete Worker subclass whose constructor takes ``params``. ``where`` (file
+    and level) starts the :class:`TopologyError`'s message."""
+    from cascade.plugins import load_class
+    from workers.base import Worker
+
+    try:
+        cls = load_class(kind, Worker)
+    except LookupError as exc:
+        raise TopologyError(f"{where}.kind: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the module's own import-time code failed (the author's file)
+        raise TopologyError(f"{where}.kind: cannot import {kind!r}: {type(exc).__name__}: {exc}") from None
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise TopologyError(f"{where}.kind: {kind!r} is abstract (it does not implement {missing}); "
+                            "name a concrete Worker subclass")
+    signature = inspect.signature(cls)
+    try:
+        signature.bind(**params)
+    except TypeError as exc:
+        raise TopologyError(f"{where}.params: {exc} ({kind} takes {signature})") from None
+    return cls
 
 
 def build_graph(spec: TopologySpec, source: str = "<spec>") -> tuple[nx.DiGraph, str]:
@@ -363,6 +395,8 @@ def _check_tokenizer(topo: Topology) -> None:
 def _check_vocabularies(topo: Topology) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
+    from workers.draft_vocab import authority_vocab_size
+
     src = topo.source
     hf = [(i, lv) for i, lv in enumerate(topo.spec.levels) if lv.kind == "hf"]
     if not hf:
@@ -383,7 +417,7 @@ def _check_vocabularies(topo: Topology) -> None:
             except Exception as exc:  # noqa: BLE001 - any loader failure is a topology problem
                 raise TopologyError(f"{src}: levels[{i}].model: cannot load its tokenizer: {exc}") from None
         try:
-            size = AutoConfig.from_pretrained(path, **kwargs).vocab_size
+            size = authority_vocab_size(path) or AutoConfig.from_pretrained(path, **kwargs).vocab_size
         except Exception as exc:  # noqa: BLE001
             raise TopologyError(f"{src}: levels[{i}].model: cannot read its config: {exc}") from None
         vocab_of[i] = (vocab, size)

@@ -17,7 +17,7 @@ pytest.importorskip("accelerate")
 
 from cascade import pull as pull_mod  # noqa: E402
 from cascade.errors import TopologyError  # noqa: E402
-from tests.conftest import TEXT, make_tokenizer  # noqa: E402
+from conftest import TEXT, make_tokenizer  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -18,6 +18,7 @@ import torch
 
 from workers.base import DTYPES, Worker, common_prefix
 from workers.devices import resolve_device
+from workers.draft_vocab import DraftVocab
 from workers.lean import lean_forward
 from workers.pool import Pool, poolable
 
@@ -51,10 +52,16 @@ class HFWorker(Worker):
             **source,
         ).to(self.device)
         self.model.eval()
-        self._setup(lean)
+        self._setup(lean, DraftVocab.load(model) if not gguf_file else None)
 
-    def _setup(self, lean: bool) -> None:
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+    def _setup(self, lean: bool, draft_vocab: DraftVocab | None = None) -> None:
+        # A trimmed drafter (workers.draft_vocab) is fed draft ids and answers authority-width rows.
+        self.draft_vocab = draft_vocab
+        rows = int(self.model.get_output_embeddings().weight.shape[0])
+        if draft_vocab is not None and draft_vocab.size != rows:
+            raise ValueError(f"draft_vocab.json lists {draft_vocab.size - 1} tokens + OTHER but the model "
+                             f"has {rows} output rows")
+        self.vocab_size = draft_vocab.authority_vocab_size if draft_vocab is not None else rows
         self.context_length = getattr(self.model.config, "max_position_embeddings", None)
         self._caches: dict[str, _SeqCache] = {}
         self._pool: Pool | bool | None = None  # None: not decided yet; False: per-sequence caches
@@ -62,12 +69,13 @@ class HFWorker(Worker):
         self.lean = lean_forward(self.model) if lean else None
 
     @classmethod
-    def from_model(cls, model, device: str | None = None, lean: bool = True) -> "HFWorker":
+    def from_model(cls, model, device: str | None = None, lean: bool = True,
+                   draft_vocab: DraftVocab | None = None) -> "HFWorker":
         """Wrap an already-loaded model (tests, notebooks)."""
         self = cls.__new__(cls)
         self.device = resolve_device(device) if device else next(model.parameters()).device
         self.model = model.to(self.device).eval()
-        self._setup(lean)
+        self._setup(lean, draft_vocab)
         return self
 
     def _logits(self, input_ids, position_ids, cache, valid, keep: int) -> torch.Tensor:
@@ -97,6 +105,14 @@ class HFWorker(Worker):
         token_ids: Sequence[Sequence[int]],
         num_positions: Sequence[int],
     ) -> list[torch.Tensor]:
+        vocab = self.draft_vocab
+        if vocab is None:
+            return self._score(seq_ids, token_ids, num_positions)
+        # Caches hold draft ids: two authority tokens outside the draft vocabulary are one input.
+        rows = self._score(seq_ids, [vocab.to_draft(t) for t in token_ids], num_positions)
+        return [vocab.to_authority_rows(r) for r in rows]
+
+    def _score(self, seq_ids, token_ids, num_positions) -> list[torch.Tensor]:
         if self._pool is None:
             self._pool = Pool(self) if poolable(self.model) else False
         if self._pool is False:  # a cache layout the pool does not handle: one cache per sequence

@@ -98,6 +98,12 @@ def add_parser(sub) -> None:
                       "scratch, then medium/small/tiny distilled from large) into DIR/{tiny,small,medium,large}")
     mode.add_argument("--level-size", action="append", default=[], metavar="LEVEL=SIZE",
                       help="--family: override a level's shape, e.g. large=16x256x4x640 (SIZE as for --size)")
+    mode.add_argument("--records", metavar="DIR", help="train drafters on what `cascade record` wrote "
+                      "in DIR: the authority's own conversations and its top-k (no teacher pass); the "
+                      "authority's tokenizer is the students'")
+    mode.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                      help="--records: trim the students' vocabulary to the N authority tokens with the "
+                      "most recorded probability mass (workers.draft_vocab); 0 = the whole vocabulary")
     mode.add_argument("--teacher", metavar="DIR|none", help="teacher model directory (HF causal LM), "
                       "or 'none' to train from scratch with cross-entropy")
     mode.add_argument("--size", action="append", metavar="SIZE",
@@ -188,6 +194,12 @@ def run(args) -> int:
                   "students follow their teacher by distillation", file=sys.stderr)
             return 2
         return run_family(args)
+    if args.records:
+        if args.teacher or args.init or not args.size:
+            print("cascade distill: --records takes its teacher from the records: give --size (and --out), "
+                  "no --teacher or --init", file=sys.stderr)
+            return 2
+        return run_records(args)
     if not args.teacher:
         print("cascade distill: give --teacher DIR|none (or --family DIR)", file=sys.stderr)
         return 2
@@ -447,6 +459,77 @@ def _save_single(args, students, outs, sizes, summary, tokenizer, lr: float, scr
             extra["eval_loss"] = eval_loss(model, windows)
             log(f"{name}: held-out loss {extra['eval_loss']:.4f}", work_dir)
         save_model(model, tokenizer, out, dtype=args.save_dtype, extra=extra)
+        log(f"saved {name} -> {out}", work_dir)
+
+
+# --------------------------------------------------------------------------- records mode
+
+
+def run_records(args) -> int:
+    """Students with a (trimmed) draft vocabulary, trained on recorded teacher top-k."""
+    from transformers import AutoConfig
+
+    from cascade.pull import PULLED, resolve_pulled
+    from cascade.train.corpus import load_tokenizer
+    from cascade.train.records import RecordSampler, choose_draft_vocab, load_records
+    from workers.draft_vocab import DraftVocab
+
+    device = _setup_torch(args)
+    work_dir = Path(args.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    train = load_records(args.records, held_out=False)
+    ref = train.authority
+    authority = str(resolve_pulled(ref)) if ref.startswith(PULLED) else ref
+    tokenizer = load_tokenizer(authority)
+    vocab_size = AutoConfig.from_pretrained(authority).vocab_size
+    ids, covered = choose_draft_vocab(train, args.draft_vocab or vocab_size, vocab_size, tokenizer.all_special_ids)
+    vocab = DraftVocab(ids, vocab_size)
+    log(f"records: {train.tokens.numel():,} tokens from {args.records} (authority {ref}); draft vocabulary "
+        f"{len(ids)} tokens covering {covered:.4f} of the recorded mass", work_dir)
+    names, sizes, outs = _single_plan(args, None, work_dir)
+    students = {name: _draft_student(size, tokenizer, vocab, args.seed + 1 + i, args.seq_len)
+                for i, (name, size) in enumerate(zip(names, sizes))}
+    sampler = RecordSampler(train, vocab, args.seq_len, args.batch_size, seed=args.seed)
+    lr = args.lr if args.lr is not None else 2e-3
+    opt = _optimisation(args, device, lr, warmup=min(args.warmup, max(1, args.steps // 10)))
+    summary = train_students(students, None, sampler, args.steps, opt,
+                             _session(args, work_dir / "checkpoint.pt", args.max_minutes, "distill"), device)
+    if summary["interrupted"]:
+        return 0
+    _save_records_students(args, students, outs, sizes, summary, tokenizer, vocab, covered, lr, device)
+    return 0
+
+
+def _draft_student(size, tokenizer, vocab, seed: int, seq_len: int):
+    from cascade.train.family import make_model
+
+    model = make_model(size, tokenizer, seed=seed, max_positions=max(1024, seq_len))
+    model.resize_token_embeddings(vocab.size)
+    bos, eos, pad = vocab.to_draft([tokenizer.bos_token_id or 0, tokenizer.eos_token_id or 0,
+                                   tokenizer.pad_token_id or 0])
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = bos, eos, pad
+    model.generation_config.bos_token_id, model.generation_config.eos_token_id = bos, eos
+    return model
+
+
+def _save_records_students(args, students, outs, sizes, summary, tokenizer, vocab, covered: float, lr: float,
+                           device) -> None:
+    from cascade.train.family import count_params, save_model
+    from cascade.train.records import RecordSampler, evaluate, load_records
+
+    work_dir = Path(args.work_dir)
+    held = RecordSampler(load_records(args.records, held_out=True), vocab, args.seq_len, args.batch_size)
+    for (name, model), out, size in zip(students.items(), outs, sizes):
+        metrics = evaluate(model, held)
+        log(f"{name}: held-out {metrics}", work_dir)
+        extra = {"size": size, "params": count_params(model), "steps": summary["steps"], "seq_len": args.seq_len,
+                 "batch_size": args.batch_size, "records": str(args.records), "draft_vocab": len(vocab.ids),
+                 "draft_vocab_coverage": covered, "lr": lr, "seed": args.seed,
+                 "train_positions": summary["steps"] * args.batch_size * args.seq_len,
+                 "train_seconds": round(summary["train_seconds"], 1), "held_out": metrics,
+                 **_run_record(args, device)}
+        save_model(model, tokenizer, out, dtype=args.save_dtype, extra=extra)
+        vocab.save(out, coverage=covered)
         log(f"saved {name} -> {out}", work_dir)
 
 

@@ -135,7 +135,7 @@ def train_students(students: dict, teacher, sampler, steps: int, opt: Optimisati
                 post = _unlikelihood_step(students, ckpt.optims, batch, lr, opt, running, device)
             else:
                 post = _train_step(students, ckpt.optims, teacher, batch, lr, opt, running, device)
-                tokens += batch[:, :-1].numel()
+                tokens += batch.input_tokens() if hasattr(batch, "input_tokens") else batch[:, :-1].numel()
             done = step + 1
             bar.update(1)
             bar.set_postfix(post, refresh=False)
@@ -155,7 +155,10 @@ def train_students(students: dict, teacher, sampler, steps: int, opt: Optimisati
 def _train_step(students: dict, optims: dict, teacher, batch, lr: float, opt: Optimisation,
                 running: dict, device) -> dict[str, str]:
     """One optimizer step of every student on ``batch`` [batch, seq_len + 1]; updates the running
-    CE per student and returns the progress-bar postfix."""
+    CE per student and returns the progress-bar postfix. A recorded batch
+    (:class:`cascade.train.records.RecordBatch`) carries its teacher: the loss is the KL to it."""
+    if hasattr(batch, "topk_ids"):
+        return _record_step(students, optims, batch, lr, opt, running, device)
     x, y = batch[:, :-1], batch[:, 1:]
     teacher_logp = None if teacher is None else _teacher_log_probs(teacher, x, opt, device)
     post = {}
@@ -164,6 +167,26 @@ def _train_step(students: dict, optims: dict, teacher, batch, lr: float, opt: Op
         val = ce.item()
         running[name] = val if running[name] is None else 0.95 * running[name] + 0.05 * val
         post[name] = f"{running[name]:.3f}" + (f"/kl{kl.item():.3f}" if kl is not None else "")
+    return post
+
+
+def _record_step(students: dict, optims: dict, batch, lr: float, opt: Optimisation, running: dict,
+                 device) -> dict[str, str]:
+    """One step of every student against the teacher's recorded top-k (the running figure is the
+    KL; the postfix adds the top-1 agreement)."""
+    import torch
+
+    from cascade.train.records import record_loss
+
+    post = {}
+    for name, model in students.items():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=opt.amp):
+            logits = model(input_ids=batch.x).logits
+        kl, top1 = record_loss(logits.float(), batch)
+        _optimizer_step(model, optims[name], kl, lr, opt)
+        val = kl.item()
+        running[name] = val if running[name] is None else 0.95 * running[name] + 0.05 * val
+        post[name] = f"kl{running[name]:.3f}/top1 {top1.item():.2f}"
     return post
 
 

@@ -1,0 +1,127 @@
+"""`cascade record` -> `cascade distill --records` on a toy chat authority: the records hold the
+authority's own top-k, the distilled drafter has a trimmed vocabulary, loads as a level, and the
+cascade's greedy output equals plain greedy decoding of the authority."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cascade.cli import main
+from cascade.train.records import RecordBatch, record_loss
+from conftest import TEXT, make_llama, write_topology
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chat_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT] * 4, trainer)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    out.chat_template = CHATML
+    return out
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("records")
+    tok = chat_tokenizer()
+    authority = make_llama(root / "authority", len(tok), seed=1, hidden=32, layers=2, logit_scale=6.0, tokenizer=tok)
+    code = root / "code"
+    code.mkdir()
+    (code / "snippets.py").write_text(TEXT)
+    args = ["record", "--model", str(authority), "--out", str(root / "rec"), "--sequences", "24", "--batch", "4",
+            "--user-tokens", "8", "--answer-tokens", "24", "--top-k", "8", "--dtype", "float32",
+            "--corpus", str(code), "--code-share", "0.5"]
+    assert main(args) == 0
+    return root, authority, tok
+
+
+def test_records_hold_the_authoritys_own_top_k(recorded):
+    from transformers import AutoModelForCausalLM
+
+    root, authority, tok = recorded
+    meta = json.loads((root / "rec" / "record.json").read_text())
+    assert len(meta["shards"]) == 6 and meta["top_k"] == 8
+    shard = torch.load(root / "rec" / "shard-00001.pt", weights_only=False)
+    lengths = shard["lengths"].tolist()
+    assert shard["tokens"].numel() == sum(lengths)
+    assert shard["topk_ids"].shape == (sum(lengths) - len(lengths), 8)
+    text = tok.decode(shard["tokens"][:lengths[0]].tolist())
+    assert text.startswith("<|im_start|>user\n") and "<|im_start|>assistant\n" in text
+    model = AutoModelForCausalLM.from_pretrained(authority, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(shard["tokens"][None, :lengths[0] - 1].long()).logits[0]
+    top = torch.log_softmax(logits, -1).topk(8, -1)
+    assert torch.equal(shard["topk_ids"][:lengths[0] - 1].long(), top.indices)
+    torch.testing.assert_close(shard["topk_logprobs"][:lengths[0] - 1].float(), top.values, atol=2e-3, rtol=0)
+    again = root / "rec-again"  # a pure function of the seed: a resumed run writes the same shards
+    assert main(["record", "--model", str(authority), "--out", str(again), "--sequences", "8", "--batch", "4",
+                 "--user-tokens", "8", "--answer-tokens", "24", "--top-k", "8", "--dtype", "float32",
+                 "--corpus", str(root / "code"), "--code-share", "0.5"]) == 0
+    assert torch.equal(torch.load(again / "shard-00001.pt", weights_only=False)["tokens"], shard["tokens"])
+
+
+def test_distilled_trimmed_drafter_loads_and_keeps_greedy_identity(recorded, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from cascade import Cascade
+    from cascade.topology import load_topology
+
+    root, authority, tok = recorded
+    out = tmp_path / "drafter"
+    args = ["distill", "--records", str(root / "rec"), "--draft-vocab", "64", "--size", "1x32", "--out", str(out),
+            "--steps", "20", "--seq-len", "32", "--batch-size", "4", "--work-dir", str(tmp_path / "work"),
+            "--no-progress", "--threads", "1", "--amp", "none", "--save-dtype", "float32"]
+    assert main(args) == 0
+    vocab = json.loads((out / "draft_vocab.json").read_text())
+    assert len(vocab["ids"]) == 64 and vocab["authority_vocab_size"] == len(tok)
+    assert tok.convert_tokens_to_ids("<|im_end|>") in vocab["ids"]  # special tokens always kept
+    training = json.loads((out / "training.json").read_text())
+    assert 0 < training["draft_vocab_coverage"] <= 1 and training["held_out"]["positions"] > 0
+    assert all(v == v for v in training["held_out"].values())  # finite, not NaN
+    topo = write_topology(tmp_path / "t.yaml", {
+        "levels": [{"name": "ngram", "kind": "ngram"}, {"name": "draft", "model": str(out)},
+                   {"name": "authority", "model": str(authority)}],
+        "edges": [["ngram", "draft"], ["draft", "authority"], ["ngram", "authority"]],
+        "policy": {"name": "fixed", "params": {"lookahead": {"draft": 4}}},
+        "sampling": {"temperature": 0.0}})
+    load_topology(topo)  # validate: one tokenizer, the drafter's declared authority vocabulary
+    prompt = tok.apply_chat_template([{"role": "user", "content": "def fibonacci(n):"}], tokenize=False,
+                                     add_generation_prompt=True)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(authority, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(ids):].tolist()
+    with Cascade.from_topology(topo) as c:
+        g = c.generate(ids, max_new_tokens=40)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    assert g.token_ids == want[:len(g.token_ids)] and (len(g.token_ids) == 40 or g.token_ids[-1] == eos)
+    assert g.stats.edges["draft->authority"].proposed > 0
+
+
+def test_record_loss_is_the_kl_on_the_recorded_partition():
+    """Zero where the student equals the teacher on {top-k tokens, the rest}; positive otherwise;
+    positions without a teacher row do not count."""
+    teacher = torch.tensor([0.5, 0.3, 0.2, 0.0])  # over draft ids 0..2 and OTHER (never predicted)
+    ids = torch.tensor([[[0, 1, -1]]])  # id 2 is in the rest: outside the recorded top-k
+    logp = torch.log(torch.tensor([[[0.5, 0.3, 1.0]]]))
+    batch = RecordBatch(torch.zeros(1, 1, dtype=torch.long), ids, logp, torch.tensor([[True]]))
+    same = torch.log(teacher.clamp(min=1e-30))[None, None]
+    kl, top1 = record_loss(same, batch)
+    assert abs(kl.item()) < 1e-6 and top1.item() == 1.0
+    rest_moved = torch.log(torch.tensor([0.5, 0.25, 0.25, 1e-9]))[None, None]  # rest mass 0.25 vs 0.2
+    assert record_loss(rest_moved, batch)[0].item() > 1e-3
+    batch.has_row[:] = False
+    assert torch.isnan(record_loss(rest_moved, batch)[0])  # no rows: nothing to average (never sampled)
