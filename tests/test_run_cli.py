@@ -41,3 +41,26 @@ def test_run_reports_bad_input(family, tmp_path, capsys):
     assert main(["run", "-t", str(topo), "--prompts", str(src), "--output", str(tmp_path / "o.jsonl"),
                  "--backend", "local", "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens" in capsys.readouterr().err
+
+
+def test_run_output_under_a_file_is_refused(tmp_path, capsys):
+    """-o file.jsonl/x.jsonl: one line naming the file in the way, exit 2, no traceback."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "x = 1"}\n')
+    (tmp_path / "file.jsonl").write_text("")
+    for out in ("file.jsonl/x.jsonl", "file.jsonl/deeper/x.jsonl"):
+        assert main(["run", "--prompts", str(src), "--output", str(tmp_path / out)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"cascade run: error: --output {tmp_path / out}: {tmp_path / 'file.jsonl'} is a file, " \
+                      "not a folder; choose another path\n"
+
+
+def test_a_policy_spec_error_says_what_a_spec_is(capsys):
+    from policies import REGISTRY
+
+    """'fixed:3' reads as a 'module:Class' path: the error says the syntax and the registered names."""
+    assert main(["generate", "--policy", "fixed:3", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --policy: " in err and "(got 'fixed:3')" in err
+    assert "a spec is NAME[:key=value,...]" in err and "fixed:lookahead={tiny: 3}" in err
+    assert f"({', '.join(sorted(REGISTRY))})" in err

@@ -1,6 +1,8 @@
 """Topology files: loading, graph checks, and one clear error per kind of bad input."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cascade import TopologyError, load_topology
@@ -140,3 +142,58 @@ def test_cli_validate(family, tmp_path, capsys):
     assert main(["validate", str(bad)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "bad.yaml" in err and "duplicate" in err
+
+
+# -- validate's OK means from_topology loads: every 'module:Class' a level names is imported and
+# checked (a concrete Worker whose constructor takes the level's params) when the file loads
+
+BAD_WORKERS = [  # (the authority level's changes, what the error says)
+    ({"kind": "no_such_module_xyz:Worker"}, r"levels\[1\]\.kind: cannot import 'no_such_module_xyz:Worker': "
+                                            r"No module named 'no_such_module_xyz'"),
+    ({"kind": "table_worker:NoSuchClass"}, r"levels\[1\]\.kind: cannot import .*no attribute 'NoSuchClass'"),
+    ({"kind": "builtins:eval"}, r"levels\[1\]\.kind: 'builtins:eval' is not a Worker subclass"),
+    ({"kind": "os:system"}, r"levels\[1\]\.kind: 'os:system' is not a Worker subclass"),
+    ({"kind": "workers.base:Worker"}, r"levels\[1\]\.kind: 'workers.base:Worker' is abstract "
+                                      r"\(it does not implement score\)"),
+    ({"params": {"vocab_size": 6, "colour": "red"}}, r"levels\[1\]\.params: got an unexpected keyword argument "
+                                                     r"'colour' \(table_worker:TableWorker takes \(vocab_size"),
+    ({"kind": "workers.ngram:NGramWorker", "params": {}}, r"levels\[1\]\.params: missing a required argument: "
+                                                          r"'vocab_size'"),
+]
+
+
+@pytest.mark.parametrize("change,says", BAD_WORKERS, ids=[c.get("kind", "params") for c, _ in BAD_WORKERS])
+def test_validate_imports_and_checks_every_worker_class(tmp_path, capsys, change, says):
+    from cascade import Cascade
+
+    path = write_topology(tmp_path / "w.yaml", {"levels": [table_level("a"), {**table_level("b"), **change}]})
+    assert main(["validate", str(path)]) == 1  # was OK
+    err = capsys.readouterr().err
+    assert re.search(says, err) and err.startswith(f"error: {path}: "), err
+    with pytest.raises(TopologyError, match=says):  # loading says the same, before any worker is built
+        Cascade.from_topology(path)
+
+
+def test_a_worker_module_that_fails_on_import_is_named(tmp_path, capsys, monkeypatch):
+    (tmp_path / "broken_worker_mod.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write_topology(tmp_path / "w.yaml", {"levels": [table_level("a"),
+                                                           {"name": "b", "kind": "broken_worker_mod:W"}]})
+    assert main(["validate", str(path)]) == 1
+    assert "levels[1].kind: cannot import 'broken_worker_mod:W': RuntimeError: no GPU here" in capsys.readouterr().err
+
+
+def test_validate_still_accepts_custom_workers_that_load(tmp_path, capsys):
+    levels = [{"name": "a", "kind": "workers.ngram:NGramWorker", "params": {"vocab_size": 6, "max_ngram": 2}},
+              table_level("b")]
+    assert main(["validate", str(write_topology(tmp_path / "w.yaml", {"levels": levels}))]) == 0
+    assert "OK (2 levels, authority: b)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", [None, 3, ["t.yaml"]])
+def test_from_topology_names_a_path_that_is_not_one(path):
+    from cascade import Cascade
+
+    with pytest.raises(TopologyError, match=r"^topology: expected the path of a YAML file \(a str or "
+                                            r"pathlib\.Path\), got "):
+        Cascade.from_topology(path)

@@ -87,12 +87,17 @@ def nonempty(text: str) -> str:
 def policy_spec(text: str) -> str:
     """``NAME[:key=value,...]``, checked by building the policy (its graph is checked later,
     when it is bound to the topology); returned as given."""
-    from policies import PolicyError, from_spec
+    from policies import REGISTRY, PolicyError, from_spec
 
     try:
         from_spec(text)
     except PolicyError as exc:
-        raise argparse.ArgumentTypeError(f"{exc} (got {text!r})") from None
+        hint = ""
+        if str(exc).startswith("name:"):  # e.g. 'fixed:3', read as a 'module:Class' path: say what a spec is
+            hint = ("; a spec is NAME[:key=value,...], NAME a registered policy "
+                    f"({', '.join(sorted(REGISTRY))}) or a 'module:Class' path, "
+                    "e.g. fixed:lookahead=3 or fixed:lookahead={tiny: 3}")
+        raise argparse.ArgumentTypeError(f"{exc}{hint} (got {text!r})") from None
     return text
 
 

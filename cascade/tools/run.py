@@ -63,9 +63,13 @@ def run(args) -> int:
     prompts = load_prompt_lines(args.prompts, args.limit)
     done = _resume(out_path) if args.resume else set()
     todo = [(i, line, prompt) for i, (line, prompt) in enumerate(prompts) if line not in done]
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    if not args.resume:
-        out_path.write_bytes(b"")
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        if not args.resume:
+            out_path.write_bytes(b"")
+    except OSError as exc:  # e.g. a folder that may not be written
+        print(f"cascade run: error: --output {out_path}: cannot write: {exc}", file=sys.stderr)
+        return 2
     if done:
         print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} prompts already in {out_path}",
               file=sys.stderr)
@@ -111,7 +115,10 @@ def _generate_all(args, todo: list[tuple[int, int, str]], out_path: Path, total:
 
 
 def _output_problem(src: Path, out: Path, resume: bool, overwrite: bool) -> str | None:
-    """Why writing ``out`` would lose work, or None."""
+    """Why writing ``out`` would lose work or cannot work, or None."""
+    folder = next((p for p in out.parents if p.exists()), None)  # the nearest that exists
+    if folder is not None and not folder.is_dir():
+        return f"--output {out}: {folder} is a file, not a folder; choose another path"
     if out.resolve() == src.resolve() or (out.exists() and src.exists() and os.path.samefile(out, src)):
         return f"--output {out} is the input file; choose another path"
     if out.is_dir():
