@@ -275,3 +275,19 @@ def test_bench_exit_status_says_a_distribution_failure(family, tmp_path, monkeyp
 def test_bench_refuses_bad_sampling_values(flag, value, capsys):
     assert main(["bench", "--out", "x", flag, value]) == 2  # refused while parsing, before any model loads
     assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_every_edge_into_the_authority_has_a_speculative_row(family, tmp_path, capsys):
+    """A 2-level ngram -> authority topology gets its cascade:ngram->large row (not only the
+    authority alone and transformers' prompt lookup)."""
+    topo = write_topology(tmp_path / "n.yaml", family_topology(family, ["large"], ngram=True))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):\n    return f(x)\ndef f(x):\n"}))
+    out = tmp_path / "bench"
+    code = main(["bench", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "8",
+                 "--only", "cascade:", "--out", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().out
+    reports = {r["name"]: r for r in json.loads((out / "bench.json").read_text())["reports"]}
+    assert {"cascade:authority", "cascade:ngram->large"} <= set(reports)
+    assert reports["cascade:ngram->large"]["edges"] == ["ngram->large"]
+    assert reports["cascade:ngram->large"]["mismatches"] == []

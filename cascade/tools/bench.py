@@ -145,7 +145,9 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
         for d in hf_drafts:
             configs.append(make.hf(f"hf-assisted:{d}", (d, authority), assistant_model=workers[d].model))
         configs.append(make.hf("hf-prompt-lookup", (authority,), prompt_lookup_num_tokens=prompt_lookup))
-    for d in hf_drafts:
+    # a speculative row for every edge into the authority, whatever the proposer's kind
+    into = set(topo.graph.predecessors(authority))
+    for d in [lv.name for lv in topo.spec.levels if lv.name in into]:
         path = (d, authority)
         configs.append(make.cascade(f"cascade:{d}->{authority}", path, make.fixed_spec(path)))
     for label, path in _multilevel_paths(hf_drafts, authority, ngram):
