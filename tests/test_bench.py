@@ -105,6 +105,21 @@ def _report(name: str, by_repeat: list[float], tokens_per_second: list[float]):
                         tokens_per_second_by_repeat=tokens_per_second)
 
 
+def test_bench_speedup_by_repeat_on_given_samples():
+    """Per repeat: the median over prompts of this configuration's tokens/s over plain's in that
+    repeat; one slow repeat of plain decoding (repeat 1) shows as a wide range."""
+    from cascade.tools.bench import Config, Sample, summarize
+
+    seconds = {("plain", 0): [1.0, 1.0], ("plain", 1): [3.0, 3.0], ("plain", 2): [1.0, 1.2],
+               ("c", 0): [0.5, 0.8], ("c", 1): [0.6, 0.8], ("c", 2): [0.5, 0.6]}
+    samples = [Sample(name, "greedy", i, r, 10, secs[i], 10, [1, 2, 3]) for (name, r), secs in seconds.items()
+               for i in range(2)]
+    plain, c = summarize([Config("plain", "plain"), Config("c", "hf")], samples, 2, "greedy", repeats=3)
+    assert plain.speedup_by_repeat == [1.0, 1.0, 1.0]
+    assert plain.tokens_per_second_by_repeat == pytest.approx([10.0, 10 / 3, 20 / 2.2])
+    assert c.speedup_by_repeat == pytest.approx([(2.0 + 1.25) / 2, (5.0 + 3.75) / 2, (2.0 + 2.0) / 2])
+
+
 def test_bench_summary_gives_the_range_over_repeats_and_warns_on_a_busy_machine():
     """On given numbers: each speedup's median and range over the repeats, and the warning names
     exactly the figures whose range is wider than the limit."""
