@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from cascade import Cascade, RequestError
+from cascade.serve.protocol import MAX_BODY_BYTES
 from cascade.serve.server import Server
 from conftest import TEXT, family_topology, write_topology
 from serve_util import ROOT, serve
@@ -82,7 +83,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
             f"Content-Length: {10 ** 12}\r\n\r\n").encode()
     status, body = raw_exchange(server.port, head, [])
     assert status == 413, body
-    assert body["error"]["code"] == 413 and "limit of 4194304 bytes" in body["error"]["message"]
+    assert body["error"]["code"] == 413 and f"limit of {MAX_BODY_BYTES} bytes" in body["error"]["message"]
     # chunked (no length declared): refused once more than the limit has come
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")
