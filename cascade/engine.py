@@ -27,7 +27,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import networkx as nx
@@ -190,6 +190,8 @@ class Engine:
                 f"prompt: {len(request.prompt_ids)} tokens does not fit the authority's context of "
                 f"{self.context_length} tokens (need room for at least one new token)"
             )
+        # an unset coupling follows the seed: one given means the same tokens (Sampling.for_seed)
+        request = replace(request, sampling=request.sampling.for_seed(request.seed))
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         return RequestState(
             request=request,

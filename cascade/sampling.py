@@ -22,18 +22,28 @@ class Sampling(BaseModel):
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy (argmax); >0 divides the logits.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set of mass >= top_p; 1 = off.")
-    coupling: Literal["residual", "gumbel"] = Field(
-        "residual",
+    coupling: Literal["residual", "gumbel"] | None = Field(
+        None,
         description="How drafts and verifiers share randomness. 'residual': the speculative rule "
         "(accept with min(1, target/draft), else resample the residual): the most acceptance, but "
         "a seed's tokens depend on where blocks fall. 'gumbel': per-position noise keyed by "
         "(seed, position), the same at every level (cascade/verify.py): a seed gives the same "
-        "tokens whatever the policy, batch or backend, for somewhat lower acceptance.",
+        "tokens whatever the policy, batch or backend, for somewhat lower acceptance. Unset: "
+        "'gumbel' for a request with a seed (a seed means the same tokens), else 'residual' "
+        "(resolved when the request starts: Engine.start).",
     )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_seed(self, seed: int | None) -> "Sampling":
+        """This sampling with its coupling decided: an explicit one is kept; unset, a request
+        with a seed gets 'gumbel' (its tokens then follow the seed alone, whatever the policy,
+        batch or backend) and one without gets 'residual' (the most acceptance)."""
+        if self.coupling is not None:
+            return self
+        return self.model_copy(update={"coupling": "residual" if seed is None else "gumbel"})
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [..., vocab]
         return sampling_probs(logits, self.temperature, self.top_k, self.top_p)

@@ -1,25 +1,31 @@
-"""Position-keyed randomness (``coupling="gumbel"``): exact, and the same tokens for a seed
-whatever the policy, path, lookahead or batch — under sampling, token for token.
+"""Position-keyed randomness (``coupling="gumbel"``, the default for a request with a seed):
+exact, and the same tokens for a seed whatever the policy, path, lookahead or batch — under
+sampling, token for token.
 
 The distribution tests follow tests/test_distribution.py: ≥ 100k draws through the real engine
 over bigram-table workers, against the authority's distribution computed by enumeration, with a
-negative control (a rule that accepts every draft) failing the same bound.
+negative control (a rule that accepts every draft) failing the same bound. They run the default
+path — a seed and no coupling — which the negative control shows is the keyed rule.
 """
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
 import cascade.engine
 from cascade import Cascade
+from cascade.engine import Request
+from cascade.sampling import Sampling
 from cascade.verify import Verdict, position_keys, sample_with_keys, verify_block_keyed
 from conftest import write_topology
 from stats_util import chi_square_pvalue, total_variation
 from test_distribution import PROMPT, exact_pairs, table_topology
 
 VOCAB = 6
+FOUR_LEVEL = Path(__file__).resolve().parents[1] / "topologies" / "4level.yaml"
 
 
 # -- the pure functions ---------------------------------------------------------------------------
@@ -69,8 +75,8 @@ def draw_pairs(topology: str, n: int, seed: int, **sampling) -> Counter:
     # tokens do not depend on its batch (test_same_seed_same_tokens_whatever_the_policy_and_batch),
     # so this bounds the solo path's distribution too.
     with Cascade.from_topology(topology) as c:
-        results = c.generate([PROMPT] * n, max_new_tokens=4, seed=seed, coupling="gumbel", batch_size=64,
-                             **sampling)
+        # no coupling: a seed alone selects the keyed one (the default path)
+        results = c.generate([PROMPT] * n, max_new_tokens=4, seed=seed, batch_size=64, **sampling)
     return Counter(tuple(g.token_ids[:2]) for g in results)
 
 
@@ -116,17 +122,46 @@ VARIANTS = [  # (levels, policy): the same authority, every other decision diffe
 
 def test_same_seed_same_tokens_whatever_the_policy_and_batch(tmp_path):
     """The API table's promise, token for token under sampling: every variant and batch size
-    gives what the authority alone gives for each seed (and the default coupling does not)."""
+    gives what the authority alone gives for each seed, with the default coupling as with
+    "gumbel" named (and the residual rule does not)."""
     prompts = [[i % VOCAB, (3 * i) % VOCAB] for i in range(24)]
     outputs, residual = [], []
     for v, (names, policy) in enumerate(VARIANTS):
         path = write_topology(tmp_path / f"v{v}.yaml", {"levels": _levels(names), "policy": policy})
         with Cascade.from_topology(path) as c:
-            for batch_size in (1, 5):
-                gs = c.generate(prompts, max_new_tokens=20, temperature=1.0, seed=40, coupling="gumbel",
+            for batch_size, coupling in ((1, None), (5, None), (5, "gumbel")):
+                gs = c.generate(prompts, max_new_tokens=20, temperature=1.0, seed=40, coupling=coupling,
                                 batch_size=batch_size)
                 outputs.append([g.token_ids for g in gs])
             residual.append([g.token_ids for g in c.generate(prompts, max_new_tokens=20, temperature=1.0,
-                                                             seed=40)])
+                                                             seed=40, coupling="residual")])
     assert all(out == outputs[0] for out in outputs)
     assert any(out != residual[0] for out in residual[1:])  # without it, block boundaries move the draws
+
+
+@pytest.mark.parametrize("coupling,seed,expected", [
+    (None, 7, "gumbel"),  # a seed means the same tokens
+    (None, None, "residual"),  # no seed: the most acceptance
+    ("residual", 7, "residual"),  # named: honoured
+    ("gumbel", None, "gumbel"),
+])
+def test_unset_coupling_follows_the_seed(tmp_path, coupling, seed, expected):
+    assert Sampling(temperature=1.0, coupling=coupling).for_seed(seed).coupling == expected
+    with Cascade.from_topology(table_topology(tmp_path, 2)) as c:
+        request = Request([0], 4, Sampling(temperature=1.0, coupling=coupling), seed)
+        assert c.engine.start(request).request.sampling.coupling == expected
+        # the API's path: the topology's unset default, then the request's
+        assert c.request([0], 4, temperature=1.0, seed=seed, coupling=coupling).request.sampling.coupling == expected
+
+
+def test_a_seed_gives_the_same_tokens_on_the_bundled_family_under_auto():
+    """Issue 28's probe, with the defaults: four calls in a row with ``auto`` on the bundled
+    4-level topology at T = 0.8 gave four outputs; a seed now gives one, alone or batched."""
+    prompts = ["import os\n", "class Stack:", "def fibonacci(n):\n"]
+    kwargs = dict(max_new_tokens=24, temperature=0.8)
+    with Cascade.from_topology(FOUR_LEVEL, policy="auto") as c:
+        runs = [c.generate("class Stack:", seed=11, **kwargs).token_ids for _ in range(4)]
+        assert all(run == runs[0] for run in runs), runs
+        alone = [c.generate(p, seed=10 + i, **kwargs).token_ids for i, p in enumerate(prompts)]
+        batched = [g.token_ids for g in c.generate(prompts, seed=10, batch_size=3, **kwargs)]  # prompt i: seed + i
+    assert alone[1] == runs[0] and batched == alone

@@ -10,6 +10,9 @@ seed, not on its batch (each request draws from its own generator; tests/test_ba
 batched == solo token for token on each of these topologies), so this is the distribution of
 one request alone too, at half the cost. The adaptive policies, whose batched decisions do
 depend on the batch, are drawn one request at a time (test_distribution_policies.py).
+
+They name ``coupling="residual"``: the speculative rule, which a request without a seed gets by
+default (a seeded request gets the keyed coupling by default: tests/test_coupling.py draws it).
 """
 from __future__ import annotations
 
@@ -59,7 +62,8 @@ def exact_pairs(depth: int, temperature: float, top_k: int, top_p: float, prompt
 
 def draw_pairs(topology: str, n: int, seed: int, prompt=PROMPT, max_new=MAX_NEW, **sampling) -> Counter:
     with Cascade.from_topology(topology) as c:
-        results = c.generate([prompt] * n, max_new_tokens=max_new, seed=seed, batch_size=BATCH, **sampling)
+        results = c.generate([prompt] * n, max_new_tokens=max_new, seed=seed, batch_size=BATCH, coupling="residual",
+                             **sampling)
     return Counter(tuple(g.token_ids[:2]) for g in results)
 
 
@@ -92,7 +96,8 @@ def test_joint_distribution_with_ngram_bottom_level(tmp_path):
     prompt = NGRAM_PROMPT
     topo = table_topology(tmp_path, 3, policy=NGRAM_POLICY, ngram=True)
     with Cascade.from_topology(topo) as c:
-        results = c.generate([prompt] * n, max_new_tokens=MAX_NEW, seed=11, temperature=1.0, batch_size=BATCH)
+        results = c.generate([prompt] * n, max_new_tokens=MAX_NEW, seed=11, temperature=1.0, batch_size=BATCH,
+                             coupling="residual")
     counts = Counter(tuple(g.token_ids[:2]) for g in results)
     proposed = sum(g.stats.edges["ngram->small"].proposed for g in results if "ngram->small" in g.stats.edges)
     assert proposed > n / 2  # the n-gram level really drafted

@@ -35,7 +35,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=types.top_p, default=None, help="in (0, 1]; 1 = off")
     p.add_argument("--seed", type=types.seed, default=None)
     p.add_argument("--coupling", choices=("residual", "gumbel"), default=None,
-                   help="gumbel: a seed gives the same tokens whatever the policy (default: the topology's)")
+                   help="gumbel: a seed gives the same tokens whatever the policy; residual: the most "
+                        "acceptance (default: the topology's; unset there, gumbel with --seed, else residual)")
     p.add_argument("--stop", action="append", type=types.nonempty, default=None, help="stop string (repeatable)")
     p.add_argument("--policy", type=types.policy_spec, default=None,
                    help="NAME[:key=value,...], e.g. fixed:lookahead=4")

@@ -271,3 +271,15 @@ def test_the_cache_count_reads_solo_and_pooled_sequences(cascade):
     assert large.cached_sequences() == 2  # batched: rows of the pool
     batch.close()
     assert large.cached_sequences() == 0
+
+
+def test_a_seed_gives_the_same_tokens_through_the_server_whatever_the_policy(client, cascade):
+    """With the defaults (no coupling named), ``seed: 1234`` at T = 0.8 through the server under
+    ``auto`` equals ``Cascade.generate(..., seed=1234)`` in this process under the topology's fixed
+    policy: a seed means the same tokens, whatever the policy, batch or process."""
+    want = cascade.generate("def fibonacci(n):\n", max_new_tokens=32, temperature=0.8, seed=1234).text
+    for stream in (False, True):
+        r = client.completions.create(model="served", prompt="def fibonacci(n):\n", stream=stream, max_tokens=32,
+                                      temperature=0.8, seed=1234, extra_body={"policy": "auto"})
+        text = "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
+        assert text == want
