@@ -14,6 +14,7 @@ _EXPORTS = {
     "Generation": "cascade.api",
     "CascadeError": "cascade.errors",
     "ClosedError": "cascade.errors",
+    "ClusterError": "cascade.errors",
     "RequestError": "cascade.errors",
     "TopologyError": "cascade.errors",
     "WorkerError": "cascade.errors",

@@ -18,6 +18,11 @@ class RequestError(CascadeError, ValueError):
     """A generation request is invalid; the message names the parameter."""
 
 
+class ClusterError(CascadeError, ConnectionError):
+    """The Ray cluster cannot be reached (the message names the address, where it came from:
+    argument, variable or file, and what to do), or did not start what was asked of it."""
+
+
 class ClosedError(CascadeError, RuntimeError):
     """A :class:`cascade.Cascade` was used after ``close()``."""
 

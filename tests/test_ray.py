@@ -6,7 +6,8 @@ dashboard on for the job API) shared by the whole module.
 - a draft level that stays down is skipped (and noted); the authority staying down is a
   WorkerError carrying the committed prefix;
 - ``cascade run`` submitted as a Ray job;
-- GPU placement on a node declaring 4 GPUs, and the CPU fallback without CUDA.
+- GPU placement on a node declaring 4 GPUs, and the CPU fallback without CUDA;
+- a placement group the cluster cannot place: an error naming the bundles, nothing left behind.
 
 The tests that kill actors run in file order on one shared cascade (it saves starting five
 actors per test); each one is correct on its own too.
@@ -292,3 +293,31 @@ def test_gpu_placement_and_cpu_fallback(ray_cluster, family, tmp_path, local_cas
                      if a.actor_id in names]) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert alive == []
+
+
+def test_an_unplaceable_group_is_a_named_error_and_leaves_nothing(ray_cluster, family, tmp_path):
+    from ray.util import placement_group_table
+    from ray.util.state import list_actors
+
+    from cascade.errors import TopologyError
+
+    data = family_topology(family, ["small", "large"], backend="ray", ray={"placement_timeout_s": 2})
+    data["levels"][1]["resources"] = {"num_cpus": 0.1, "custom": {"nowhere": 1}}  # no node has it
+    path = write_topology(tmp_path / "t.yaml", data)
+    groups = set(placement_group_table())
+
+    def cascade_actors() -> set[str]:
+        return {a.name for a in list_actors(filters=[("state", "=", "ALIVE")]) if (a.name or "").startswith("cascade-")}
+
+    actors = cascade_actors()
+    started = time.monotonic()
+    with pytest.raises(TopologyError) as info:
+        Cascade.from_topology(path)
+    assert time.monotonic() - started < 60  # the timeout, not a hang
+    message = str(info.value)
+    assert message.startswith(f"{path}: levels[*].resources: the cluster cannot place the bundles ")
+    assert "{'CPU': 0.1, 'nowhere': 1.0}" in message and "within 2 s (ray.placement_timeout_s)" in message
+    assert "the cluster has {'CPU': 2.0, 'GPU': 4.0}" in message and "no node has nowhere" in message
+    new = {pg: placement_group_table()[pg]["state"] for pg in set(placement_group_table()) - groups}
+    assert len(new) == 1 and set(new.values()) == {"REMOVED"}, new
+    assert cascade_actors() <= actors

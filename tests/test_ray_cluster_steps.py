@@ -68,25 +68,25 @@ def home():
 
 def test_private_runtime_token_rules(tmp_path, monkeypatch):
     """Without a cluster: when cascade's private runtime sets a token of its own."""
-    from cascade.backends import ray as backend
+    from cascade.backends import ray_runtime as backend
 
     for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert backend._set_private_token()  # no token anywhere: one in the environment, no file
+    assert backend.set_private_token()  # no token anywhere: one in the environment, no file
     token = os.environ["RAY_AUTH_TOKEN"]
     assert len(token) == 64 and not (tmp_path / ".ray").exists()
-    backend._drop_private_token()
+    backend.drop_private_token()
     assert "RAY_AUTH_TOKEN" not in os.environ
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # what Ray leaves set after a local ray.init
-    assert backend._set_private_token() and os.environ["RAY_AUTH_TOKEN"] != token
-    backend._drop_private_token()
+    assert backend.set_private_token() and os.environ["RAY_AUTH_TOKEN"] != token
+    backend.drop_private_token()
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user's choice: left to Ray
-    assert not backend._set_private_token() and "RAY_AUTH_TOKEN" not in os.environ
+    assert not backend.set_private_token() and "RAY_AUTH_TOKEN" not in os.environ
     monkeypatch.delenv("RAY_AUTH_MODE")
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("mine")  # the user's token: Ray uses it
-    assert not backend._set_private_token() and "RAY_AUTH_TOKEN" not in os.environ
+    assert not backend.set_private_token() and "RAY_AUTH_TOKEN" not in os.environ
 
 
 @pytest.mark.slow  # 1-3 min (a private runtime, a cluster, a job); the test above covers the token rules

@@ -28,15 +28,15 @@ import dataclasses
 import logging
 import math
 import os
-import secrets
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from cascade.backends.ray_runtime import connect, drop_private_token
 from cascade.backends.wire import (Packed, WireStats, dense_nbytes, from_bytes, pack_rows, packed_nbytes, to_bytes,
                                    unpack_rows)
 from cascade.build import Backend
@@ -319,6 +319,53 @@ def plan_bundles(levels: Sequence[LevelSpec]) -> tuple[list[dict[str, float]], l
     return bundles, index
 
 
+def in_driver_levels(topo: Topology) -> set[str]:
+    """Names of the levels that run in the driver process, not in an actor (``ray.ngram_in_driver``,
+    ``ray.in_driver``)."""
+    spec = topo.spec.ray
+    names = {lv.name for lv in topo.spec.levels if lv.kind == "ngram" and spec.ngram_in_driver}
+    return names | set(spec.in_driver)
+
+
+def level_bundles(topo: Topology) -> list[dict[str, float]]:
+    """The bundles of the placement group one cascade of ``topo`` asks for (its actors' levels)."""
+    in_driver = in_driver_levels(topo)
+    return plan_bundles([lv for lv in topo.spec.levels if lv.name not in in_driver])[0]
+
+
+def private_cpus(topo: Topology, replicas: int = 1, replica_cpus: float = 0.0) -> int:
+    """Logical CPUs a private runtime declares for ``replicas`` cascades of ``topo``, each with a
+    process of its own holding ``replica_cpus`` (a Ray Serve replica; 0 for the driver) and a
+    placement group of one bundle per level actor; never fewer than the machine's cores.
+
+    Declaring more CPUs than the machine has is deliberate: the levels of a cascade compute one
+    at a time, so on one machine they can share its cores; declaring fewer would leave a
+    placement group that is never placed (and, under Ray Serve, a replica that never starts).
+    """
+    per_cascade = replica_cpus + sum(b.get("CPU", 0.0) for b in level_bundles(topo))
+    return max(os.cpu_count() or 1, math.ceil(replicas * per_cascade - 1e-9))
+
+
+def unplaceable(bundles: Sequence[dict[str, float]], strategy: str, timeout_s: float) -> str:
+    """Why a placement group was not placed: the bundles asked for against what the cluster has."""
+    import ray
+
+    asked = {k for b in bundles for k in b}
+
+    def shown(resources: dict[str, float]) -> dict[str, float]:
+        # node:<ip> markers, placement groups' own resources and memory in bytes are noise
+        # unless a bundle asked for them
+        return {k: round(v, 2) for k, v in sorted(resources.items())
+                if k in asked or not (k.startswith("node:") or k in ("memory", "object_store_memory")
+                                      or re.search(r"_group_(\d+_)?[0-9a-f]{16,}$", k))}
+
+    total = ray.cluster_resources()
+    missing = sorted(k for k in asked if k not in total)
+    return (f"the cluster cannot place the bundles {list(bundles)} ({strategy}) within {timeout_s:g} s "
+            f"(ray.placement_timeout_s); the cluster has {shown(total)}, available now "
+            f"{shown(ray.available_resources())}" + (f"; no node has {', '.join(missing)}" if missing else ""))
+
+
 @dataclass
 class RayBackend(Backend):
     """The actors of one :class:`~cascade.api.Cascade`, their placement group and, if cascade
@@ -335,14 +382,8 @@ class RayBackend(Backend):
         import ray
 
         spec = topo.spec.ray
-        address = address or spec.address
-        # A private runtime declares enough logical CPUs for every level: the levels of a
-        # cascade compute one at a time, so on one machine they can share its cores.
-        wanted = sum(lv.resources.num_cpus for lv in topo.spec.levels)
-        try:
-            owns, private_token = _connect(address, spec.namespace, max(os.cpu_count() or 1, math.ceil(wanted)))
-        except ConnectionError as exc:
-            raise TopologyError(f"{topo.source}: ray.address: cannot connect to Ray at {address!r}: {exc}") from None
+        source = "the address argument / --address" if address else f"{topo.source}: ray.address"
+        owns, private_token = connect(address or spec.address, spec.namespace, private_cpus(topo), source)
         backend = cls({}, None, owns, private_token=private_token)
         try:
             backend._place(topo, device)
@@ -359,8 +400,7 @@ class RayBackend(Backend):
 
         spec = topo.spec.ray
         everything = list(enumerate(topo.spec.levels))
-        in_driver = {lv.name for _, lv in everything if lv.kind == "ngram" and spec.ngram_in_driver}
-        in_driver |= set(spec.in_driver)
+        in_driver = in_driver_levels(topo)
         levels = [(i, lv) for i, lv in everything if lv.name not in in_driver]
         if not levels:
             raise TopologyError(f"{topo.source}: ray.in_driver: every level would run in the driver; "
@@ -416,10 +456,8 @@ class RayBackend(Backend):
         try:
             ray.get(self.placement_group.ready(), timeout=spec.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise TopologyError(
-                f"{topo.source}: levels[*].resources: the cluster cannot place {bundles} with "
-                f"{spec.placement_strategy} within {spec.placement_timeout_s:g} s "
-                f"(available: {ray.available_resources()})") from None
+            raise TopologyError(f"{topo.source}: levels[*].resources: "
+                                + unplaceable(bundles, spec.placement_strategy, spec.placement_timeout_s)) from None
         return {i: b for (i, _), b in zip(levels, bundle_of)}
 
     def _collect(self, infos: dict[str, dict], timeout: float) -> None:
@@ -485,75 +523,5 @@ class RayBackend(Backend):
             ray.shutdown()
             self.owns_runtime = False
         if self.private_token:
-            _drop_private_token()
+            drop_private_token()
             self.private_token = False
-
-
-def _connect(address: str | None, namespace: str | None, local_cpus: int) -> tuple[bool, bool]:
-    """Make sure this process is connected to Ray. Returns (cascade started or joined the runtime
-    and must disconnect on close, this process set a private auth token that close must drop).
-
-    A process already connected (the caller's own ``ray.init``) is used as it is.
-    """
-    import ray
-
-    if ray.is_initialized():
-        return False, False
-    if address is None:
-        address = "auto" if os.environ.get("RAY_ADDRESS") else "local"
-    kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": True}
-    if address == "local":
-        private_token = _set_private_token()
-        # A private runtime on this machine, reachable on loopback only. Its actors are the
-        # work itself, not background tasks: Ray's default (workers niced by 15) would let any
-        # other process on the machine starve the models while the driver waits on them.
-        try:
-            ray.init(address="local", num_cpus=local_cpus, include_dashboard=False,
-                     _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0}, **kwargs)
-        except BaseException:
-            if private_token:
-                _drop_private_token()
-            raise
-        return True, private_token
-    ray.init(address=address, **kwargs)
-    # Connected to a cluster someone else runs: disconnect on close, never shut it down. A
-    # disconnect is all ray.shutdown() does for a driver that joined an existing cluster.
-    return True, False
-
-
-def _set_private_token() -> bool:
-    """Give a private runtime an auth token that lives in this process's environment only; True
-    when it set one.
-
-    Why: Ray 2.60 turns token authentication on for every runtime ``ray.init`` starts and, when
-    no token exists, writes one to ``~/.ray/auth_token``. That file outlives the runtime and
-    changes the machine: a later ``ray start --head`` finds it and requires the token, which
-    ``ray job submit`` (RAY_AUTH_MODE unset) does not send, so the README's cluster steps fail
-    with an AuthenticationError. The runtime's own processes inherit the variable, so it keeps
-    token authentication all the same. A token the user has (the variables or the file Ray
-    reads) or ``RAY_AUTH_MODE=disabled`` is left to Ray.
-    """
-    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
-        return False
-    if (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-            or (Path.home() / ".ray" / "auth_token").exists()):
-        return False
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # 256 bits, as Ray's own tokens
-    _reset_token_cache()
-    return True
-
-
-def _drop_private_token() -> None:
-    os.environ.pop("RAY_AUTH_TOKEN", None)
-    _reset_token_cache()  # the next private runtime gets a token of its own
-
-
-def _reset_token_cache() -> None:
-    # Ray's token loader caches the first token it read; without a reset a second private
-    # runtime in this process would be sent the first one's token.
-    try:
-        from ray._raylet import AuthenticationTokenLoader
-
-        AuthenticationTokenLoader.instance().reset_cache()
-    except (ImportError, AttributeError):  # another Ray version: nothing cached this way
-        pass
