@@ -39,8 +39,9 @@ def add_parser(sub) -> None:
                    help="ray: deploy the same app on Ray Serve, the topology's serve: section giving "
                         "replicas, each replica's levels Ray actors (default: embedded, one process)")
     p.add_argument("--address", default=None,
-                   help="with --backend ray: the Ray cluster (default: the topology's ray.address; unset: "
-                        "RAY_ADDRESS or the one `ray start` runs here, else a private runtime)")
+                   help="with --backend ray: the Ray cluster: auto, local or host:port (default: the "
+                        "topology's ray.address; unset: RAY_ADDRESS if set, else a private runtime sized "
+                        "for the replicas and their levels)")
     p.set_defaults(func=serve)
 
 
