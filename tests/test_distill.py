@@ -350,11 +350,19 @@ def test_repeated_ngram_mask_marks_every_token_of_a_repeat():
     ]
 
 
-def test_unlikelihood_training_makes_greedy_text_loop_less(tmp_path, teacher_dir, corpus_dir):
+def test_unlikelihood_training_pushes_down_what_greedy_text_repeats(tmp_path, teacher_dir, corpus_dir):
     """--teacher none --init DIR --unlikelihood-every K: a briefly trained model, whose greedy text
-    loops, is trained on its own continuations and loops far less; training.json says how."""
-    from cascade.repetition import median_repetition
+    loops, is trained on its own continuations; training.json says how.
+
+    Asserted is what the mechanism guarantees, whatever the processor's floating-point path: the
+    tokens of the base model's own greedy text that the mask marks (those inside a repeated
+    4-gram) lose their probability, so the unlikelihood loss on them falls by far — at least 10x
+    (80x to 15,000x over --seed 0..5 here) — where as many cross-entropy steps raise it (1.8x to
+    2.1x). How much less the greedy text then loops is one trajectory's luck, not asserted: median
+    repetition 0.85 -> 0.18 .. 0.82 over --seed 0..5 here, and 0.875 -> 0.594 on a Xeon with AMX at
+    the seed that gave 0.297 on the machine the test was first written on."""
     from cascade.train.family_eval import _teacher_text
+    from cascade.train.unlikelihood import rollout_batch, unlikelihood_loss
 
     base = tmp_path / "base"
     common = ["--corpus", str(corpus_dir), "--seq-len", "32", "--batch-size", "4", "--threads", "1",
@@ -368,19 +376,22 @@ def test_unlikelihood_training_makes_greedy_text_loop_less(tmp_path, teacher_dir
                              "--out", str(tmp_path / out), "--steps", str(steps),
                              "--unlikelihood-every", str(every), *common])
 
-    def greedy_repetition(path):
-        model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
-        data = torch.load(next((tmp_path / "w1").glob("tokens-train-*.pt")))
-        prefixes = WindowSampler(data, 8, 16, seed=5).batch(0)
-        with torch.no_grad():
-            out = model.generate(prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=32,
-                                 min_new_tokens=32, do_sample=False, pad_token_id=0)
-        return median_repetition(out[:, prefixes.size(1):].tolist())
+    def load(path):
+        return transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
 
-    # every step an unlikelihood step: the loops go (0.875 -> 0.297 at this seed)
-    assert tune("ul", 40, 1) == 0
-    before, after = greedy_repetition(base), greedy_repetition(tmp_path / "ul")
-    assert before > 0.6 and after < 0.5 * before, (before, after)
+    # the base model's greedy continuations of 16 corpus prefixes, and the tokens the mask marks
+    data = torch.load(next((tmp_path / "w1").glob("tokens-train-*.pt")))
+    inputs, targets, negative, share = rollout_batch(load(base), WindowSampler(data, 8, 16, seed=5).batch(0), 8, 32)
+    assert share > 0.5  # the base loops: most of its greedy tokens lie inside a repeated 4-gram
+
+    def penalised_loss(path):
+        with torch.no_grad():  # position 7 + j predicts targets[:, j]
+            return unlikelihood_loss(load(path)(inputs).logits[:, 7:], targets, negative).item()
+
+    assert tune("ul", 40, 1) == 0  # every step an unlikelihood step
+    assert tune("ce", 40, 0) == 0  # the control: as many cross-entropy steps
+    before, after, control = penalised_loss(base), penalised_loss(tmp_path / "ul"), penalised_loss(tmp_path / "ce")
+    assert after < before / 10 and control > before / 2, (before, after, control)
     # mixed with cross-entropy steps: training.json counts both kinds
     assert tune("mixed", 6, 2) == 0
     info = json.loads((tmp_path / "mixed" / "training.json").read_text())
