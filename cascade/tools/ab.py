@@ -61,6 +61,11 @@ class Summary:
     b_repetition: float = 0.0
 
 
+# The trials' seeds make a run repeatable; they are not a user's "same tokens": measure the
+# speculative rule, which a request without a seed gets (a seed alone would select "gumbel").
+COUPLING = "residual"
+
+
 def paired_bootstrap_ci(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
     """95% percentile interval of the mean ratio, resampling prompts with replacement."""
     rng = random.Random(seed)
@@ -112,7 +117,7 @@ def run_ab(
         for prompt in prompts[:warmup]:  # allocation, lazy init, and first estimates for adaptive arms
             for policy in arms.values():
                 c.generate(prompt, max_new_tokens=min(32, max_new_tokens), temperature=temperature,
-                           top_k=top_k, top_p=top_p, seed=seed, policy=policy)
+                           top_k=top_k, top_p=top_p, seed=seed, policy=policy, coupling=COUPLING)
         rng = random.Random(seed)
         trials = [(r, i) for r in range(repeats) for i in range(len(prompts))]
         rng.shuffle(trials)
@@ -120,7 +125,8 @@ def run_ab(
             order = ["A", "B"] if rng.random() < 0.5 else ["B", "A"]
             for arm in order:
                 g = c.generate(prompts[i], max_new_tokens=max_new_tokens, temperature=temperature,
-                               top_k=top_k, top_p=top_p, seed=seed + 1000 * r + i, policy=arms[arm])
+                               top_k=top_k, top_p=top_p, seed=seed + 1000 * r + i, policy=arms[arm],
+                               coupling=COUPLING)
                 s = g.stats
                 edges = {k: {"proposed": e.proposed, "accepted": e.accepted, "blocks": e.blocks,
                              "examined_by_position": e.examined_by_position,
