@@ -184,3 +184,42 @@ def test_a_replica_that_fails_to_start_ends_serve_with_its_reason(ray_tmp, famil
     while (left := _ray_processes(ray_tmp)) and time.monotonic() < deadline:
         time.sleep(1)
     assert left == [], left
+
+
+@pytest.mark.slow  # about 1 min here (a private runtime, Ray Serve, four level actors); sizing is counted above
+def test_the_bundled_4level_topology_serves_on_a_private_runtime(ray_tmp):
+    """What hung on a 2-core machine: a private runtime declaring os.cpu_count() CPUs could not
+    hold the replica's CPU and its four level bundles, and /health never answered."""
+    import signal
+    import urllib.request
+
+    port = _dead_port()
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    log = (ray_tmp / "serve.log").open("w")
+    served = subprocess.Popen([sys.executable, "-c", _MAIN, "serve", "--backend", "ray", "-t",
+                               "topologies/4level.yaml", "--port", str(port)],
+                              env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert served.poll() is None, (ray_tmp / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, (ray_tmp / "serve.log").read_text()[-3000:]
+            time.sleep(2)
+        served.send_signal(signal.SIGTERM)
+        assert served.wait(timeout=120) == 0, (ray_tmp / "serve.log").read_text()[-3000:]
+    finally:
+        if served.poll() is None:
+            served.kill()
+            served.wait()
+        log.close()
+    deadline = time.monotonic() + 30
+    while (left := _ray_processes(ray_tmp)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert left == [], left
