@@ -1,0 +1,74 @@
+"""The real authority end to end: SmolLM2-135M-Instruct from the user cache (`cascade pull
+smollm2-135m-instruct`). Marked slow and real_model: the default run never downloads it and skips
+these; run them with `python -m pytest -o addopts="" -m real_model` once it is in the cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import write_topology
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+
+NAME = "smollm2-135m-instruct"
+CHATS = ["What is the capital of France?", "Write a Python function that reverses a string.",
+         "Give me three tips for sleeping better."]
+
+
+@pytest.fixture(scope="module")
+def authority():
+    from cascade.pull import MANIFEST, cache_dir
+
+    path = cache_dir(NAME)
+    if not (path / MANIFEST).is_file():
+        pytest.skip(f"{NAME} is not in the cache: cascade pull {NAME}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, model, AutoTokenizer.from_pretrained(path)
+
+
+def _topology(tmp_path):
+    return write_topology(tmp_path / "real.yaml", {
+        "levels": [{"name": "ngram", "kind": "ngram"},
+                   {"name": "smollm2", "model": f"pulled:{NAME}", "dtype": "float32"}],
+        "policy": {"name": "fixed", "params": {"lookahead": {"ngram": 4}}}})
+
+
+def _chat_ids(tok, text):
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False)
+
+
+def test_greedy_output_is_plain_greedy_decoding(authority, tmp_path):
+    from cascade import Cascade
+
+    _, model, tok = authority
+    with Cascade.from_topology(_topology(tmp_path)) as c:
+        for text in CHATS:
+            ids = list(_chat_ids(tok, text))
+            got = c.generate(ids, max_new_tokens=48, temperature=0.0).token_ids
+            with torch.inference_mode():
+                want = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False,
+                                      pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+            assert got == want[:len(got)], text
+
+
+def test_sampled_output_follows_the_authority(authority, tmp_path):
+    from cascade import Cascade
+    from cascade.tools.exactness import check_distribution
+
+    _, model, tok = authority
+    ids = list(_chat_ids(tok, "Name a colour."))
+    draws = 300
+    with Cascade.from_topology(_topology(tmp_path)) as c:  # request i is seeded with i
+        ours = [g.token_ids for g in c.generate([ids] * draws, max_new_tokens=2, temperature=0.8, top_p=0.95,
+                                                seed=0, batch_size=50)]
+    torch.manual_seed(10_000)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids] * draws), max_new_tokens=2, do_sample=True, temperature=0.8,
+                             top_p=0.95, top_k=0, pad_token_id=tok.eos_token_id)
+    plain = out[:, len(ids):].tolist()
+    check = check_distribution("ngram->smollm2", plain, ours, tokens=2, eos=tok.eos_token_id)
+    assert check.passed, check
