@@ -23,6 +23,7 @@ from typing import Any
 from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 from cascade.repetition import repetition
+from cascade.tools.timing import COUPLING  # the rule measured: the one an unseeded request gets
 
 
 @dataclass
@@ -61,9 +62,6 @@ class Summary:
     b_repetition: float = 0.0
 
 
-# The trials' seeds make a run repeatable; they are not a user's "same tokens": measure the
-# speculative rule, which a request without a seed gets (a seed alone would select "gumbel").
-COUPLING = "residual"
 
 
 def paired_bootstrap_ci(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:

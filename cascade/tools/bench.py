@@ -48,7 +48,7 @@ from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
 from cascade.tools.bench_batch import mode_label, run_batch_bench
 from cascade.tools.bench_report import write_report
 from cascade.tools.exactness import DistributionCheck
-from cascade.tools.timing import DEFAULT_THREADS, torch_threads
+from cascade.tools.timing import COUPLING, DEFAULT_THREADS, torch_threads
 from cascade.repetition import LOOP_THRESHOLD, NGRAM, repetition
 
 
@@ -230,13 +230,14 @@ class _ConfigBuilder:
 
         def run(ids: list[int], n: int, sampling, seed: int):
             g = c.generate(ids, max_new_tokens=n, temperature=sampling.temperature, top_k=sampling.top_k,
-                           top_p=sampling.top_p, seed=seed, policy=policy)
+                           top_p=sampling.top_p, seed=seed, policy=policy, coupling=COUPLING)
             return g.token_ids, g.stats.wall_seconds, g.stats
 
         def draw(ids: list[int], n: int, sampling, seed: int, count: int):
             # the batched engine, one row per draw; row i is seeded seed + i
             gs = c.generate([ids] * count, max_new_tokens=n, temperature=sampling.temperature, top_k=sampling.top_k,
-                            top_p=sampling.top_p, seed=seed, policy=policy, batch_size=min(count, 64))
+                            top_p=sampling.top_p, seed=seed, policy=policy, batch_size=min(count, 64),
+                            coupling=COUPLING)
             return [g.token_ids for g in gs]
         return Config(name, "cascade", path, policy_spec, run, c.topology.graph, draw)
 

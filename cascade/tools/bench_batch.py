@@ -17,7 +17,7 @@ from typing import Any
 
 from cascade.tools.bench_report import batch_markdown
 from cascade.tools.exactness import DistributionCheck
-from cascade.tools.timing import DEFAULT_THREADS, torch_threads
+from cascade.tools.timing import COUPLING, DEFAULT_THREADS, torch_threads
 from cascade.repetition import repetition
 
 # (tokens, seconds, mean latency per request, repetition per request) of serving a list of requests
@@ -83,7 +83,8 @@ class _Servers:
         s = self.sampling
         t0 = time.perf_counter()
         gs = self.cascade.generate(batch, max_new_tokens=self.max_new_tokens, temperature=s.temperature,
-                                    top_k=s.top_k, top_p=s.top_p, seed=self.seed, batch_size=size, policy=self.policy)
+                                    top_k=s.top_k, top_p=s.top_p, seed=self.seed, batch_size=size, policy=self.policy,
+                                    coupling=COUPLING)
         seconds = time.perf_counter() - t0
         # a request's latency runs from when it joined the batch to its end
         return (sum(len(g.token_ids) for g in gs), seconds, statistics.fmean(g.stats.wall_seconds for g in gs),
@@ -203,6 +204,7 @@ def _batch_distribution_check(c, policy, prompts: list[str], sampling, seed: int
                              **generate_kwargs(sampling))
     reference = out[:, len(prefix):].tolist()
     gs = c.generate([prefix] * draws, max_new_tokens=tokens, temperature=sampling.temperature, top_k=sampling.top_k,
-                    top_p=sampling.top_p, seed=seed + 1, batch_size=batch_size, policy=policy)
+                    top_p=sampling.top_p, seed=seed + 1, batch_size=batch_size, policy=policy,
+                    coupling=COUPLING)
     return check_distribution(f"cascade, batch size {batch_size}", reference, [g.token_ids for g in gs], tokens,
                               c.tokenizer.eos_token_id, (prompt, length))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from cascade.cli import args as types
 from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
-from cascade.tools.timing import BUSY_SPREAD, DEFAULT_THREADS, Spread, busy_warning, threads_line, torch_threads
+from cascade.tools.timing import BUSY_SPREAD, COUPLING, DEFAULT_THREADS, Spread, busy_warning, threads_line, torch_threads
 
 DEFAULT_PROMPTS = "examples/prompts/heldout.jsonl"
 ABOUT_THE_MODELS = ("The bundled models are tiny (0.7-11.6 M parameters), trained from scratch on a CPU on "
@@ -138,7 +138,7 @@ def _decode(c, model, prompts: list[str], mode: Mode, repeat: int, args) -> None
 
         def cascade():
             return c.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=sampling.temperature,
-                              top_k=sampling.top_k, top_p=sampling.top_p, seed=seed)
+                              top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, coupling=COUPLING)
 
         if (i + repeat) % 2:
             ref, secs = plain_generate(model, ids, args.max_new_tokens, sampling, seed)

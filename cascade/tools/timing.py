@@ -22,6 +22,11 @@ BUSY_SPREAD = 0.3
 
 DEFAULT_THREADS = 1
 
+# The measuring tools seed their requests so that a run repeats; those seeds are not a user's
+# "same tokens". They measure the speculative rule, which a request without a seed gets (a seed
+# alone would select the keyed coupling, "gumbel": README, Seeds).
+COUPLING = "residual"
+
 
 @dataclass(frozen=True)
 class Spread:
