@@ -18,7 +18,7 @@ import networkx as nx
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cascade.errors import TopologyError
+from cascade.errors import TopologyError, describe
 from cascade.pull import PULLED, PullError, resolve_pulled
 from cascade.sampling import Sampling, SamplingOverride
 from cascade.validation import DEVICE_PATTERN
@@ -244,7 +244,7 @@ def topology_from_dict(
     try:
         spec = TopologySpec.model_validate(data)
     except ValidationError as exc:
-        raise TopologyError(f"{source}: {_describe(exc, data)}") from None
+        raise TopologyError(f"{source}: {_describe(exc)}") from None
     graph, authority = build_graph(spec, source)
     check_params(spec, graph, authority, source)
     topo = Topology(spec, graph, authority, source, Path(base_dir))
@@ -267,8 +267,7 @@ def check_params(spec: TopologySpec, graph: nx.DiGraph, authority: str, source: 
             try:
                 NGramParams.model_validate(level.params)
             except ValidationError as exc:
-                sep = "." if exc.errors()[0]["loc"] else ": "
-                raise TopologyError(f"{source}: levels[{i}].params{sep}{_describe(exc, level.params)}") from None
+                raise TopologyError(f"{source}: {_describe(exc, root=f'levels[{i}].params')}") from None
     try:
         from_spec(spec.policy.model_dump()).bind(graph, authority)
     except PolicyError as exc:
@@ -442,24 +441,9 @@ def _check_vocabularies(topo: Topology) -> None:
             )
 
 
-def _describe(exc: ValidationError, data: dict[str, Any]) -> str:
-    """The first pydantic error as 'field.path: message', with level names where helpful."""
-    err = exc.errors()[0]
-    loc = list(err["loc"])
-    parts: list[str] = []
-    for item in loc:
-        if isinstance(item, int):
-            parts[-1] = f"{parts[-1]}[{item}]" if parts else f"[{item}]"
-        else:
-            parts.append(str(item))
-    where = ".".join(parts)
-    msg = err["msg"]
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    if err["type"] == "extra_forbidden":
-        msg = f"unknown field {loc[-1]!r}"
-    more = len(exc.errors()) - 1
-    return (f"{where}: {msg}" if where else msg) + (f" (and {more} more error{'s' if more > 1 else ''})" if more else "")
+def _describe(exc: ValidationError, root: str = "") -> str:
+    """A topology's wording of a pydantic error: ``levels[1].model: message (and 2 more errors)``."""
+    return describe(exc, root=root, brackets=True, unknown="unknown field {name}", got=False, more=True)
 
 
 def has_tokenizer(path: str) -> bool:

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Sequence
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
 
-from cascade.errors import RequestError
+from cascade.errors import RequestError, describe
 
 _SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes 64 bits; prompt i of a list uses seed + i
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"  # a level's device, and the device= / --device overrides
@@ -98,20 +98,7 @@ def generation_params(**kwargs: Any) -> GenerationParams:
     try:
         return GenerationParams(**kwargs)
     except ValidationError as exc:
-        raise RequestError(describe(exc)) from None
-
-
-def describe(exc: ValidationError) -> str:
-    """The first pydantic error as ``"field: problem (got X)"``."""
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "request"
-    msg = err["msg"]
-    for prefix in ("Value error, ", "Input should be "):
-        if msg.startswith(prefix):
-            msg = ("must be " if prefix.startswith("Input") else "") + msg[len(prefix):]
-    if err["type"] == "extra_forbidden":
-        msg = "unknown parameter"
-    return f"{where}: {msg} (got {err.get('input')!r})"
+        raise RequestError(describe(exc, must=True, unknown="unknown parameter")) from None
 
 
 # -- prompts ----------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from pydantic import (
     AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Strict, Tag, ValidationError,
 )
 
+from cascade.errors import describe
+
 
 class PolicyError(ValueError):
     """A policy's parameters are invalid (or do not fit the topology); the message names the
@@ -89,23 +91,12 @@ def check_params(model: type[PolicyParams], policy: str, params: Any) -> PolicyP
     try:
         return model.model_validate(dict(params))
     except ValidationError as exc:
-        raise PolicyError(describe(exc, policy, model)) from None
-
-
-def describe(exc: ValidationError, policy: str, model: type[PolicyParams]) -> str:
-    """The first error as ``params.<field>: <what> (policy '<name>', got <value>)``."""
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"] if p not in (_ONE, _EACH))
-    msg = err["msg"]
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    if err["type"] == "extra_forbidden":
+        # params.<field>: <what> (policy '<name>', got <value>); the per-level union's tag left out
         known = ", ".join(model.model_fields) or "none"
-        return f"params.{where}: unknown parameter (policy {policy!r} takes: {known})"
-    more = len(exc.errors()) - 1
-    tail = f"; and {more} more error{'s' if more > 1 else ''}" if more else ""
-    return f"params.{where}: {msg} (policy {policy!r}, got {err.get('input')!r}{tail})"
+        unknown = f"unknown parameter (policy {policy!r} takes: {known})"
+        raise PolicyError(describe(exc, root="params", unions=True, context=f"policy {policy!r}", more=True,
+                                   unknown=unknown, bare=True)) from None
 
 
 __all__ = ["Float", "Int", "LevelName", "Lookahead", "PathParams", "PolicyError", "PolicyParams", "Unit", "check_params",
-           "describe", "per_level"]
+           "per_level"]

@@ -10,6 +10,7 @@ from typing import Annotated, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cascade.errors import describe
 from cascade.sampling import Sampling
 from policies.base import StopRule
 from workers.base import Draft, Worker
@@ -49,8 +50,8 @@ class NGramWorker(Worker):
         try:
             params = NGramParams(max_ngram=max_ngram, min_ngram=min_ngram)
         except ValidationError as exc:
-            msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
-            raise ValueError(f"params: {msg} (max_ngram={max_ngram!r}, min_ngram={min_ngram!r})") from None
+            raise ValueError(describe(exc, root="params", got=False,
+                                      context=f"max_ngram={max_ngram!r}, min_ngram={min_ngram!r}")) from None
         self.vocab_size = vocab_size
         self.max_ngram = params.max_ngram
         self.min_ngram = params.min_ngram

@@ -27,6 +27,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from cascade.errors import describe, error_path
+
 # cascade's parameter names -> the request fields they come from
 PARAM_NAMES = {"max_new_tokens": "max_tokens"}
 #: the largest request body read by default (``cascade serve --max-body-bytes``): far more text
@@ -148,33 +150,9 @@ def request_error(exc: Exception, prompt_field: str = "prompt") -> ApiError:
 def validation_error(exc: ValidationError) -> ApiError:
     """The first pydantic error, as a 400 whose ``param`` is the field's dotted path. Where a
     field takes one of several types, the message lists them instead of one member's failure."""
-    errors = exc.errors()
-    loc = errors[0]["loc"]
-    cut = next((i for i, part in enumerate(loc) if _is_type_tag(part)), len(loc))
-    param = ".".join(str(p) for p in loc[:cut]) or None
-    err = errors[0]
-    if cut < len(loc):  # a union: name the types it takes
-        tags = [str(e["loc"][cut]) for e in errors if e["loc"][:cut] == loc[:cut] and len(e["loc"]) > cut]
-        msg = "expected " + " or ".join(dict.fromkeys(tags))
-        err = {"type": "union", "input": _input_at(errors[0], cut, len(loc))}
-    elif err["type"] == "extra_forbidden":
-        msg = "unknown field (this server refuses fields it does not know)"
-    else:
-        msg = err["msg"].removeprefix("Value error, ")
-    got = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err.get('input')!r})"
-    return ApiError(400, f"{param}: {msg}{got}" if param else f"{msg}{got}", param)
-
-
-def _is_type_tag(part: Any) -> bool:
-    """Pydantic puts the member type of a union in the error location (``str``,
-    ``list[int]``, ``TextPart``); field names are snake_case and indices are ints."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or not part.islower()
-                                      or not part.replace("_", "").isalnum())
-
-
-def _input_at(err: dict, cut: int, depth: int) -> Any:
-    # the error's input is the innermost failing value; past the tag it is a part of the field's
-    return err.get("input") if depth == cut + 1 else "..."
+    message = describe(exc, unions=True, unknown="unknown field (this server refuses fields it does not know)",
+                       bare=True)
+    return ApiError(400, message, error_path(exc, unions=True) or None)
 
 
 class _Strict(BaseModel):
