@@ -24,7 +24,7 @@ DEFAULT_THREADS = 1
 
 # The measuring tools seed their requests so that a run repeats; those seeds are not a user's
 # "same tokens". They measure the speculative rule, which a request without a seed gets (a seed
-# alone would select the keyed coupling, "gumbel": README, Seeds).
+# alone would select the keyed coupling, "gumbel": docs/seeds.md).
 COUPLING = "residual"
 
 

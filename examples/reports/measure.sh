@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements behind the README and the closing notes (run from the repo root).
+# The measurements behind the README's figures and docs/benchmarks.md (run from the repo root).
 #
 #   examples/reports/measure.sh                 # every part, in this order (about an hour)
 #   examples/reports/measure.sh demo bench      # some parts: demo ab bench batch batch-long lean headroom

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start, or resume, recording SmolLM2-135M-Instruct's own conversations for its drafters, in the
-# background (cascade record: see README, "A real model").
+# background (cascade record: see docs/real-model.md).
 #
 #   examples/models/smollm2/record.sh           # start, or resume after the last finished shard
 #   examples/models/smollm2/record.sh status    # running or not; shards and tokens so far

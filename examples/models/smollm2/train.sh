@@ -6,7 +6,7 @@
 #   examples/models/smollm2/train.sh status    # running or not; the last lines of its log
 #   examples/models/smollm2/train.sh stop      # SIGTERM: checkpoint, then exit (re-run to resume)
 #
-# Students (sized by measurement, see README "A real model"): draft-s 2x256 and draft-m 4x384,
+# Students (sized by measurement, see docs/real-model.md): draft-s 2x256 and draft-m 4x384,
 # both over an 8,192-token draft vocabulary. Checkpoints, logs and the finished students go to
 # $SMOLLM2_WORK (default ~/.cache/cascade/work/smollm2)/train and .../drafters. STEPS fixes the
 # cosine schedule: keep it (and the records) unchanged across resumes.
