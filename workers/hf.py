@@ -114,7 +114,8 @@ class HFWorker(Worker):
 
     def _score(self, seq_ids, token_ids, num_positions) -> list[torch.Tensor]:
         if self._pool is None:
-            self._pool = Pool(self) if poolable(self.model) else False
+            self._pool = (Pool(self.model, self.device, self.context_length, self._logits)
+                          if poolable(self.model) else False)
         if self._pool is False:  # a cache layout the pool does not handle: one cache per sequence
             if len(seq_ids) == 1:
                 return [self._score_one(seq_ids[0], list(token_ids[0]), num_positions[0])]

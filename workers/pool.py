@@ -17,14 +17,15 @@ others); rows left free while the batch drains are dropped.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from workers.base import common_prefix
 
-if TYPE_CHECKING:
-    from workers.hf import HFWorker
+# A worker's forward pass: (input_ids, position_ids, cache layers, valid [rows, columns], keep)
+# -> logits [rows, keep, vocab] of the last ``keep`` positions (HFWorker._logits).
+Forward = Callable[[torch.Tensor, torch.Tensor, list, torch.Tensor, int], torch.Tensor]
 
 
 def poolable(model) -> bool:
@@ -108,12 +109,14 @@ class Pool:
     sequence frees its row for the next one to join.
     """
 
-    def __init__(self, worker: HFWorker):
-        self.worker = worker
+    def __init__(self, model: Any, device: torch.device, context_length: int | None, forward: Forward):
+        # what the pool needs of its worker: the model (its cache layout), where it runs, how many
+        # positions it takes, and its forward pass over the pool's cache layers
+        self.model, self.device, self.context_length, self.forward = model, device, context_length, forward
         self.kbufs: list[torch.Tensor] | None = None  # per layer [rows, heads, capacity, head_dim]
         self.vbufs: list[torch.Tensor] | None = None
         self.layers: list | None = None  # cache layers over the buffers, reused while they last
-        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=worker.device)  # [rows, capacity]
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=device)  # [rows, capacity]
         self.used = 0
         self.rows: list[str | None] = []  # seq_id per row; None: free
         self.row_of: dict[str, int] = {}
@@ -127,10 +130,10 @@ class Pool:
         return self.valid.shape[1]
 
     def _reset(self) -> None:
-        self.__init__(self.worker)
+        self.__init__(self.model, self.device, self.context_length, self.forward)
 
     def _add_rows(self, count: int) -> None:
-        dev = self.worker.device
+        dev = self.device
         self.valid = torch.cat([self.valid, torch.zeros(count, self.capacity, dtype=torch.bool, device=dev)])
         if self.kbufs is not None:
             self.kbufs = [torch.cat([b, b.new_zeros((count,) + b.shape[1:])]) for b in self.kbufs]
@@ -143,7 +146,7 @@ class Pool:
     def _rebuild(self, keep_rows: list[int], capacity: int) -> None:
         """Keep only ``keep_rows`` (in that order) and each one's valid columns, gathered to the
         right end of ``[0, used)`` (left padding), in buffers of ``capacity`` columns."""
-        dev = self.worker.device
+        dev = self.device
         width = max((len(self.cols[r]) for r in keep_rows), default=0)
         capacity = max(capacity, width)
         index = torch.zeros(len(keep_rows), width, dtype=torch.long, device=dev)
@@ -183,7 +186,7 @@ class Pool:
         self.row_of = {s: i for i, s in enumerate(self.rows) if s is not None}
 
     def _grow(self, capacity: int) -> None:
-        dev = self.worker.device
+        dev = self.device
         self.valid = torch.cat([self.valid, torch.zeros(self.valid.shape[0], capacity - self.capacity,
                                                         dtype=torch.bool, device=dev)], dim=1)
         if self.kbufs is not None:
@@ -252,7 +255,7 @@ class Pool:
     def _reconcile(self, rows: list[int], token_ids, num_positions) -> list[list[int]]:
         """Roll each row back to its longest common prefix with the tokens it is handed (keeping
         the positions that need logits uncached); return the tokens each row still has to feed."""
-        dev = self.worker.device
+        dev = self.device
         news = []
         drop_rows, drop_cols = [], []
         for r, toks, n in zip(rows, token_ids, num_positions):
@@ -306,8 +309,8 @@ class Pool:
         window = torch.arange(width)
         positions = (torch.tensor(starts, dtype=torch.long) - offsets)[:, None] + window
         positions.clamp_(min=0)  # pad positions (masked anyway) clamped into range
-        if self.worker.context_length:
-            positions.clamp_(max=self.worker.context_length - 1)
+        if self.context_length:
+            positions.clamp_(max=self.context_length - 1)
         return input_ids, positions, window[None, :] >= offsets[:, None]
 
     def _prefill_fresh(self, rows: list[int], heads: list[list[int]]) -> None:
@@ -315,11 +318,11 @@ class Pool:
         in a cache of their own, and write their keys/values into the columns just before
         ``used``, which their rows do not use. Appending them as new columns instead would leave
         every other row that many holes to attend over and compact away."""
-        dev = self.worker.device
+        dev = self.device
         width = max(len(h) for h in heads)
         input_ids, positions, mask = self._window(heads, [0] * len(heads), width)
         layers = [buffer_layer(None, None, 0) for _ in self.kbufs]
-        self.worker._logits(input_ids.to(dev), positions.to(dev), layers, mask.to(dev), 1)
+        self.forward(input_ids.to(dev), positions.to(dev), layers, mask.to(dev), 1)
         used = self.used
         for layer, k, v in zip(layers, self.kbufs, self.vbufs):
             for i, (r, h) in enumerate(zip(rows, heads)):
@@ -333,8 +336,7 @@ class Pool:
     def _forward(self, rows: list[int], news: list[list[int]], num_positions, subset: bool | None = None):
         """One forward pass feeding ``news[i]`` to row ``rows[i]``; logits of each one's last
         ``num_positions[i]`` positions."""
-        worker = self.worker
-        dev = worker.device
+        dev = self.device
         width = max(len(new) for new in news)
         self._make_room(width)
         used = self.used
@@ -357,7 +359,7 @@ class Pool:
         compact = len(batch_rows) * (used + width) <= 4096
         for layer in layers:
             layer.compact_views = compact
-        logits_all = worker._logits(input_ids.to(dev), positions.to(dev), layers, mask, keep)
+        logits_all = self.forward(input_ids.to(dev), positions.to(dev), layers, mask, keep)
         self._keep_new_columns(layers, index, new_valid, width)
         self.used = used + width
         if logits_all.dtype in (torch.float16, torch.bfloat16):
@@ -385,7 +387,7 @@ class Pool:
         self.valid[:, used:used + width] = new_valid
         mask = self.valid[:, :used + width]
         if self.kbufs is None:  # the first pass: the layers allocate the buffers
-            layers = [buffer_layer(None, None, 0) for _ in range(num_layers(self.worker.model))]
+            layers = [buffer_layer(None, None, 0) for _ in range(num_layers(self.model))]
             for layer in layers:
                 layer.capacity = self.capacity
             return layers, mask
@@ -400,7 +402,7 @@ class Pool:
         copy; adopted from the layers of the first pass), pad columns zeroed."""
         used = self.used
         if not bool(new_valid.all()):  # pad columns hold junk: zero it, so that nothing non-finite can ever sit in the cache
-            junk = ~new_valid.to(self.worker.device)[:, None, :, None]
+            junk = ~new_valid.to(self.device)[:, None, :, None]
             for layer in layers:
                 layer.kbuf.narrow(2, used, width).masked_fill_(junk, 0)
                 layer.vbuf.narrow(2, used, width).masked_fill_(junk, 0)
