@@ -2,8 +2,14 @@
 
 Each subcommand lives in its own module and exposes ``add_parser(subparsers)``, which
 registers the subcommand and sets ``func`` (called with the parsed namespace, returning an
-exit code). Modules are listed by name so that ``cascade --help`` stays cheap: heavy imports
-(torch, transformers, ray) happen inside the ``func`` of the command that needs them.
+exit code); heavy imports (transformers, ray) happen inside the ``func`` of the command that
+needs them.
+
+The modules are listed by name and imported when the parser is built, not imported here: they
+import :mod:`cascade.cli.args` (what every subcommand shares), and Python runs this file before
+any module of the package, so importing them here would be a circle (``cascade.tools.bench`` ->
+``cascade.cli`` -> ``cascade.tools.bench``). The dependency runs one way: subcommand ->
+``cascade.cli.args``. Every listed module is imported on each run, ``--help`` included.
 """
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Argument types shared by every subcommand, and the parser class that reports a bad value.
+"""What every subcommand shares: argument types, the parser class that reports a bad value, the
+default topology, the generation options (:func:`add_generation_args`) and :func:`guarded`, which
+reports cascade's own errors as one line. A leaf: the subcommand modules (here, in
+:mod:`cascade.tools`, :mod:`cascade.train` and :mod:`cascade.serve`) import it, it imports none
+of them.
 
 A bad value is refused while the command line is parsed, before any model loads: one line on
 stderr, ``cascade <command>: error: argument --repeats: must be an integer >= 1 (got '0')``,
@@ -11,7 +15,10 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from typing import Callable, NoReturn
+
+DEFAULT_TOPOLOGY = "topologies/4level.yaml"
 
 
 class Parser(argparse.ArgumentParser):
@@ -116,3 +123,36 @@ def add_sampling_args(p: argparse.ArgumentParser, default_temperature: float = 0
                    help=f"keep the k most likely tokens; 0 = off (default {default_top_k})")
     p.add_argument("--seed", type=seed, default=default_seed,
                    help=f"seed of the sampled runs, an integer in [0, 2^63) (default {default_seed})")
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY, help=f"topology file (default {DEFAULT_TOPOLOGY})")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=temperature, default=None, help="0 = greedy (default: the topology's)")
+    p.add_argument("--top-k", type=nonnegative_int, default=None, help="0 = off")
+    p.add_argument("--top-p", type=top_p, default=None, help="in (0, 1]; 1 = off")
+    p.add_argument("--seed", type=seed, default=None)
+    p.add_argument("--coupling", choices=("residual", "gumbel"), default=None,
+                   help="gumbel: a seed gives the same tokens whatever the policy; residual: the most "
+                        "acceptance (default: the topology's; unset there, gumbel with --seed, else residual)")
+    p.add_argument("--stop", action="append", type=nonempty, default=None, help="stop string (repeatable)")
+    p.add_argument("--policy", type=policy_spec, default=None,
+                   help="NAME[:key=value,...], e.g. fixed:lookahead=4")
+    p.add_argument("--device", type=device, default=None,
+                   help="override every level's device (cpu, cuda:0, auto)")
+
+
+def guarded(func):
+    """Report cascade's own errors as one line on stderr with exit status 1."""
+    def wrapper(args) -> int:
+        from cascade.errors import CascadeError
+        from policies import PolicyError
+
+        try:
+            return func(args)
+        except (CascadeError, PolicyError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    wrapper.__name__ = func.__name__
+    wrapper.__doc__ = func.__doc__
+    return wrapper

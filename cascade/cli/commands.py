@@ -1,11 +1,10 @@
 """``cascade validate`` and ``cascade generate``."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-DEFAULT_TOPOLOGY = "topologies/4level.yaml"
+from cascade.cli.args import add_generation_args, guarded
 
 
 def add_parser(sub) -> None:
@@ -25,46 +24,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=generate)
 
 
-def add_generation_args(p: argparse.ArgumentParser) -> None:
-    from cascade.cli import args as types
-
-    p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY, help=f"topology file (default {DEFAULT_TOPOLOGY})")
-    p.add_argument("--max-new-tokens", type=types.positive_int, default=128)
-    p.add_argument("--temperature", type=types.temperature, default=None, help="0 = greedy (default: the topology's)")
-    p.add_argument("--top-k", type=types.nonnegative_int, default=None, help="0 = off")
-    p.add_argument("--top-p", type=types.top_p, default=None, help="in (0, 1]; 1 = off")
-    p.add_argument("--seed", type=types.seed, default=None)
-    p.add_argument("--coupling", choices=("residual", "gumbel"), default=None,
-                   help="gumbel: a seed gives the same tokens whatever the policy; residual: the most "
-                        "acceptance (default: the topology's; unset there, gumbel with --seed, else residual)")
-    p.add_argument("--stop", action="append", type=types.nonempty, default=None, help="stop string (repeatable)")
-    p.add_argument("--policy", type=types.policy_spec, default=None,
-                   help="NAME[:key=value,...], e.g. fixed:lookahead=4")
-    p.add_argument("--device", type=types.device, default=None,
-                   help="override every level's device (cpu, cuda:0, auto)")
-
-
 def load_cascade(args):
     from cascade.api import Cascade
 
     # a spec string: parsed by policies.from_spec and checked against the graph before models load
     return Cascade.from_topology(args.topology, policy=args.policy or None, device=args.device)
-
-
-def guarded(func):
-    """Report cascade's own errors as one line on stderr with exit status 1."""
-    def wrapper(args) -> int:
-        from cascade.errors import CascadeError
-        from policies import PolicyError
-
-        try:
-            return func(args)
-        except (CascadeError, PolicyError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-    wrapper.__name__ = func.__name__
-    wrapper.__doc__ = func.__doc__
-    return wrapper
 
 
 @guarded

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cascade.cli import args as types
-from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
+from cascade.cli.args import DEFAULT_TOPOLOGY, guarded
 from cascade.serve.protocol import MAX_BODY_BYTES
 from policies import REGISTRY
 

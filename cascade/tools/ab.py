@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cascade.cli import args as types
-from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
+from cascade.cli.args import DEFAULT_TOPOLOGY, guarded
 from cascade.repetition import repetition
 from cascade.tools.timing import COUPLING  # the rule measured: the one an unseeded request gets
 

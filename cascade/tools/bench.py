@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from cascade.cli import args as types
-from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
+from cascade.cli.args import DEFAULT_TOPOLOGY, guarded
 from cascade.tools.bench_batch import mode_label, run_batch_bench
 from cascade.tools.bench_report import write_report
 from cascade.tools.exactness import DistributionCheck

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from cascade.cli import args as types
-from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
+from cascade.cli.args import DEFAULT_TOPOLOGY, guarded
 from cascade.tools.timing import BUSY_SPREAD, COUPLING, DEFAULT_THREADS, Spread, busy_warning, threads_line, torch_threads
 
 DEFAULT_PROMPTS = "examples/prompts/heldout.jsonl"

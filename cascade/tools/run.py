@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from cascade.cli import args as types
-from cascade.cli.commands import add_generation_args, guarded
+from cascade.cli.args import add_generation_args, guarded
 
 
 def add_parser(sub) -> None:

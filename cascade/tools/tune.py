@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from cascade.cli import args as types
-from cascade.cli.commands import DEFAULT_TOPOLOGY, guarded
+from cascade.cli.args import DEFAULT_TOPOLOGY, guarded
 
 
 def measure(c, prompts: list[str], lookahead: dict[str, int], max_new_tokens: int,
