@@ -39,13 +39,14 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from cascade.cli import args as types
 from cascade.cli.args import DEFAULT_TOPOLOGY, guarded
-from cascade.tools.bench_batch import mode_label, run_batch_bench
+from cascade.tools.bench_batch import run_batch_bench
+from cascade.tools.bench_records import ConfigReport, Sample, mode_label
 from cascade.tools.bench_report import write_report
 from cascade.tools.exactness import DistributionCheck
 from cascade.tools.timing import COUPLING, DEFAULT_THREADS, torch_threads
@@ -64,51 +65,6 @@ class Config:
     # (prompt ids, max new tokens, sampling, seed, count) -> ``count`` independent continuations, batched
     # for speed (the distribution check); None: not checked (transformers' assisted decoding, batch 1 only)
     draw: Callable[[list[int], int, Any, int, int], list[list[int]]] | None = None
-
-
-@dataclass
-class Sample:
-    config: str
-    mode: str  # mode_label(sampling)
-    prompt: int
-    repeat: int
-    tokens: int
-    seconds: float
-    authority_passes: int
-    token_ids: list[int]
-    stats: Any = None  # cascade's RequestStats
-
-
-@dataclass
-class ConfigReport:
-    name: str
-    mode: str  # "greedy" or e.g. "T=0.8, top-p 0.95"
-    tokens_per_second_median: float
-    tokens_per_second_ci: tuple[float, float]
-    speedup_median: float  # median over prompts of (this / plain), both measured in this run
-    speedup_ci: tuple[float, float]
-    authority_passes_per_token: float
-    acceptance: dict[str, float] = field(default_factory=dict)
-    acceptance_by_position: dict[str, list[float]] = field(default_factory=dict)
-    level_seconds_per_token: dict[str, float] = field(default_factory=dict)
-    orchestration_seconds_per_token: float | None = None
-    predicted_speedup: float | None = None
-    predicted_path: list[str] = field(default_factory=list)
-    edges: list[str] = field(default_factory=list)  # a cascade configuration's graph
-    measured_over_predicted: float | None = None
-    mismatches: list[int] = field(default_factory=list)  # greedy: prompts whose output differs from plain
-    repetition_median: float = 0.0  # median over prompts (mean over repeats) of repetition()
-    speedup_nonloop_median: float | None = None  # over the prompts whose plain text is no loop
-    nonloop_prompts: int = 0
-    distribution: DistributionCheck | None = None  # sampled: the distribution check
-    # per repeat, in order: the speedup (median over prompts of this / plain in that repeat) and
-    # tokens/s (all prompts' tokens over their seconds); their spread says how steady the machine was
-    speedup_by_repeat: list[float] = field(default_factory=list)
-    tokens_per_second_by_repeat: list[float] = field(default_factory=list)
-
-    @property
-    def exact(self) -> bool:
-        return not self.mismatches and (self.distribution is None or self.distribution.passed)
 
 
 def _median_ci(values: list[float], resamples: int = 5000, seed: int = 0) -> tuple[float, float]:

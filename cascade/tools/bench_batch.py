@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cascade.tools.bench_records import mode_label
 from cascade.tools.bench_report import batch_markdown
 from cascade.tools.exactness import DistributionCheck
 from cascade.tools.timing import COUPLING, DEFAULT_THREADS, torch_threads
@@ -22,20 +23,6 @@ from cascade.repetition import repetition
 
 # (tokens, seconds, mean latency per request, repetition per request) of serving a list of requests
 Served = tuple[int, float, float, list[float]]
-
-
-# Here, not in cascade.tools.bench (which uses it too and re-exports it): bench imports this
-# module, and an import back would be a cycle.
-def mode_label(sampling) -> str:
-    """``greedy``, or the sampling parameters that are on, e.g. ``T=0.8, top-p 0.95``."""
-    if sampling.greedy:
-        return "greedy"
-    parts = [f"T={sampling.temperature:g}"]
-    if sampling.top_p < 1:
-        parts.append(f"top-p {sampling.top_p:g}")
-    if sampling.top_k:
-        parts.append(f"top-k {sampling.top_k}")
-    return ", ".join(parts)
 
 
 @dataclass

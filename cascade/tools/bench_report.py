@@ -6,9 +6,8 @@ import resource
 from pathlib import Path
 
 from cascade.repetition import LOOP_THRESHOLD, NGRAM
+from cascade.tools.bench_records import ConfigReport, Sample
 from cascade.tools.timing import Spread, busy_warning
-
-# ConfigReport and Sample, in annotations, are cascade.tools.bench's (not imported: no cycle)
 
 
 def markdown(reports: list[ConfigReport], config: dict) -> str:

@@ -87,7 +87,7 @@ def run(args) -> int:
     from cascade.sampling import Sampling
     from cascade.stats import RequestStats
     from cascade.tools.baselines import load_prompts, plain_generate
-    from cascade.tools.bench import mode_label
+    from cascade.tools.bench_records import mode_label
 
     prompts = load_prompts(args.prompts, args.num_prompts)
     sampled = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
