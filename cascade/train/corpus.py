@@ -16,7 +16,6 @@ Heavy imports (torch, tokenizers, transformers) happen inside the functions that
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sysconfig
 from pathlib import Path
@@ -178,19 +177,6 @@ def read_text(path: Path) -> str | None:
 
 def read_texts(files: Sequence[Path]) -> list[str]:
     return [t for t in (read_text(f) for f in files) if t]
-
-
-def split_files(files: Sequence[Path], val_fraction: float, seed: int = 0) -> tuple[list[Path], list[Path]]:
-    """Deterministic file-level train/validation split (by hash of the path, not by RNG)."""
-    if val_fraction <= 0:
-        return list(files), []
-    train, val = [], []
-    for f in files:
-        h = int(hashlib.sha256(f"{seed}:{f.as_posix()}".encode()).hexdigest()[:8], 16)
-        (val if h / 0xFFFFFFFF < val_fraction else train).append(f)
-    if not val and train:
-        val.append(train.pop())
-    return train, val
 
 
 # --------------------------------------------------------------------------- tokenizer
