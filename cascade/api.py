@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from cascade.build import Backend, load_tokenizer, resolve_backend
 from cascade.engine import Batch, Engine, Request, RequestState
-from cascade.errors import ClosedError, RequestError, TopologyError, WorkerError
+from cascade.errors import ClosedError, RequestError, TopologyError, WorkerError, describe
 from cascade.sampling import Sampling
 from cascade.stats import RequestStats, StepProvenance, cut_provenance
 from cascade.topology import Topology, load_topology
@@ -328,8 +328,7 @@ class Cascade:
                 coupling=defaults.coupling if params.coupling is None else params.coupling,
             )
         except ValidationError as exc:
-            err = exc.errors()[0]
-            raise RequestError(f"{err['loc'][0]}: {err['msg']} (got {err.get('input')!r})") from None
+            raise RequestError(describe(exc, must=True, unknown="unknown parameter")) from None
         if isinstance(prompt, str):
             tokenizer = self.require_tokenizer()
             bad = _SURROGATE.search(prompt)
