@@ -9,12 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from pydantic import ValidationError
-
 from cascade.build import Backend, load_tokenizer, resolve_backend
 from cascade.engine import Batch, Engine, Request, RequestState
-from cascade.errors import ClosedError, RequestError, TopologyError, WorkerError, describe
-from cascade.sampling import Sampling
+from cascade.errors import ClosedError, RequestError, TopologyError, WorkerError
 from cascade.stats import RequestStats, StepProvenance, cut_provenance
 from cascade.topology import Topology, load_topology
 from cascade.validation import DEVICE_PATTERN, GenerationParams, check_token_ids, generation_params, normalize_prompt, normalize_prompts
@@ -319,16 +316,7 @@ class Cascade:
 
     def _start(self, prompt: str | list[int], params: GenerationParams, seed: int | None, where: str) -> RequestState:
         """A started (not yet running) request for a normalised prompt; ``where`` names it in errors."""
-        defaults = self.topology.spec.sampling
-        try:
-            sampling = Sampling(
-                temperature=defaults.temperature if params.temperature is None else params.temperature,
-                top_k=defaults.top_k if params.top_k is None else params.top_k,
-                top_p=defaults.top_p if params.top_p is None else params.top_p,
-                coupling=defaults.coupling if params.coupling is None else params.coupling,
-            )
-        except ValidationError as exc:
-            raise RequestError(describe(exc, must=True, unknown="unknown parameter")) from None
+        sampling = params.resolve(self.topology.spec.sampling)  # validated once, by generation_params
         if isinstance(prompt, str):
             tokenizer = self.require_tokenizer()
             bad = _SURROGATE.search(prompt)

@@ -36,7 +36,7 @@ import torch
 from cascade.errors import RequestError, WorkerError
 from cascade.sampling import Sampling, SamplingOverride
 from cascade.stats import BlockOutcome, RequestStats, StepProvenance, cut_provenance
-from cascade.verify import Verdict, position_keys, verify_block, verify_block_keyed
+from cascade.verify import Verdict, verify_block, verify_block_keyed
 from policies.base import (DraftStep, EdgeOutcome, PassCost, PlanContext, Policy, PolicyError, StepFeedback,
                            StepPlan, StopRule, draft_step)
 from workers.base import Worker, common_prefix
@@ -539,18 +539,14 @@ class Batch:
 
 
 def _draws(state: RequestState, sampling: Sampling, start: int, n: int) -> torch.Tensor:  # [n] float64
-    """A sequence's randomness for its positions ``start .. start + n - 1``: uniforms from its
-    generator, or (``coupling="gumbel"``) the positions' keys, which depend on the seed and the
-    position alone, so block boundaries cannot move them (cascade/verify.py)."""
-    if sampling.coupling == "gumbel":
-        return position_keys(state.seed, range(start, start + n))
-    return torch.rand(n, generator=state.generator, dtype=torch.float64)
+    """A sequence's randomness for its positions ``start .. start + n - 1`` (cascade/sampling.py)."""
+    return sampling.draws(state.seed, state.generator, start, n)
 
 
 def _verdict(sampling: Sampling, tokens: list[int], draft_probs: torch.Tensor | None,
              target_probs: torch.Tensor, draws: torch.Tensor) -> Verdict:  # [n, vocab], [n + 1, vocab], [n + 1]
-    """The speculative rule, or (``coupling="gumbel"``) keep drafts while they equal the level's
-    own keyed samples: either way the emitted tokens are exact samples of the level."""
-    if sampling.coupling == "gumbel":
+    """The speculative rule, or (a keyed coupling) keep drafts while they equal the level's own
+    keyed draws: either way the emitted tokens are exact samples of the level."""
+    if sampling.rule.keyed:
         return verify_block_keyed(tokens, sampling.draw(target_probs, draws).tolist())
     return verify_block(tokens, draft_probs, target_probs, draws)

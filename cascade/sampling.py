@@ -1,16 +1,50 @@
-"""Sampling parameters, validated once at the boundary."""
+"""Sampling: a request's parameters, declared once, and the math that turns a level's rows into tokens.
+
+- **Parameters.** Each sampling parameter's type, range and meaning is declared here once
+  (:data:`Temperature`, :data:`TopK`, :data:`TopP`, :data:`Seed`, :data:`CouplingName`) and
+  reused by :class:`Sampling` (what a level samples with), :class:`SamplingOverride` (a draft
+  level's own), :class:`SamplingParams` (what a request asks for: ``Cascade.generate``'s keyword
+  arguments, :class:`cascade.validation.GenerationParams`, the HTTP request,
+  :mod:`cascade.serve.protocol`) and the Ray wire (``Sampling.model_dump()``).
+- **Warping.** :func:`sampling_probs`: temperature, then top-k, then top-p.
+- **Drawing.** How a row and a draw give a token, for each coupling: by inverse CDF with a
+  uniform from the request's generator (``"residual"``), or by the exponential race with noise
+  keyed by (seed, position) (``"gumbel"``). A :class:`Coupling` holds each one's draws, its
+  draw and which acceptance rule verifies it; :attr:`Sampling.rule` is the one place it is chosen.
+
+No models, no caches, no Ray here; acceptance is :mod:`cascade.verify`.
+"""
 from __future__ import annotations
 
-from typing import Literal
+import abc
+from typing import Annotated, Literal, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from cascade.verify import sample_with_keys, sample_with_uniform, sampling_probs
+# -- the parameters, declared once ------------------------------------------------------------------
+
+SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes 64 bits; prompt i of a list uses seed + i
+
+Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False,
+                                     description="0 = greedy (argmax); >0 divides the logits.")]
+TopK = Annotated[int, Field(ge=0, description="Keep the k most likely tokens; 0 = off.")]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False,
+                              description="Keep the smallest set of mass >= top_p; 1 = off.")]
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT, description="Seeds the request's generator (and its keyed noise).")]
+CouplingName = Literal["residual", "gumbel"]
+COUPLING_HELP = (
+    "How drafts and verifiers share randomness. 'residual': the speculative rule (accept with "
+    "min(1, target/draft), else resample the residual): the most acceptance, but a seed's tokens "
+    "depend on where blocks fall. 'gumbel': per-position noise keyed by (seed, position), the same "
+    "at every level: a seed gives the same tokens whatever the policy, batch or backend, for "
+    "somewhat lower acceptance. Unset: 'gumbel' for a request with a seed (a seed means the same "
+    "tokens), else 'residual' (resolved when the request starts: Engine.start)."
+)
 
 
 class Sampling(BaseModel):
-    """How a level turns logits into the distribution it samples from.
+    """How a level turns logits into the distribution it samples from, and how it draws.
 
     The authority always samples with the user's parameters; drafts use them too unless their
     level overrides some fields (``LevelSpec.sampling``). Exactness holds either way because
@@ -19,23 +53,19 @@ class Sampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # inf would sample noise
 
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy (argmax); >0 divides the logits.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set of mass >= top_p; 1 = off.")
-    coupling: Literal["residual", "gumbel"] | None = Field(
-        None,
-        description="How drafts and verifiers share randomness. 'residual': the speculative rule "
-        "(accept with min(1, target/draft), else resample the residual): the most acceptance, but "
-        "a seed's tokens depend on where blocks fall. 'gumbel': per-position noise keyed by "
-        "(seed, position), the same at every level (cascade/verify.py): a seed gives the same "
-        "tokens whatever the policy, batch or backend, for somewhat lower acceptance. Unset: "
-        "'gumbel' for a request with a seed (a seed means the same tokens), else 'residual' "
-        "(resolved when the request starts: Engine.start).",
-    )
+    temperature: Temperature = 0.0
+    top_k: TopK = 0
+    top_p: TopP = 1.0
+    coupling: CouplingName | None = Field(None, description=COUPLING_HELP)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def rule(self) -> "Coupling":
+        """The coupling this sampling draws with (unset: residual, the rule of an unseeded request)."""
+        return COUPLINGS[self.coupling or "residual"]
 
     def for_seed(self, seed: int | None) -> "Sampling":
         """This sampling with its coupling decided: an explicit one is kept; unset, a request
@@ -48,16 +78,17 @@ class Sampling(BaseModel):
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [..., vocab]
         return sampling_probs(logits, self.temperature, self.top_k, self.top_p)
 
-    def draw(self, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:  # [n, vocab], [n] -> [n]
-        """One token per row of ``probs`` (rows of :meth:`probs`), by inverse CDF with the row's
-        uniform, or (``coupling="gumbel"``) by the exponential race with the noise of the row's
-        position key, which then travels in the uniform's place. Greedy rows are one-hot, for
-        which either is the hot token: taken directly (no cumulative sum over the vocabulary)."""
+    def draws(self, seed: int, generator: torch.Generator, start: int, n: int) -> torch.Tensor:  # [n] float64
+        """A sequence's randomness for its positions ``start .. start + n - 1`` (see :class:`Coupling`)."""
+        return self.rule.draws(seed, generator, start, n)
+
+    def draw(self, probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:  # [n, vocab], [n] -> [n]
+        """One token per row of ``probs`` (rows of :meth:`probs`) with the row's draw. Greedy rows
+        are one-hot, for which every coupling draws the hot token: taken directly (no cumulative
+        sum over the vocabulary)."""
         if self.greedy:
             return probs.argmax(-1)
-        if self.coupling == "gumbel":
-            return sample_with_keys(probs, uniforms)
-        return sample_with_uniform(probs, uniforms)
+        return self.rule.draw(probs, draws)
 
 
 class SamplingOverride(BaseModel):
@@ -65,10 +96,198 @@ class SamplingOverride(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # inf would sample noise
 
-    temperature: float | None = Field(None, ge=0.0, description="Draft temperature; 0 = greedy drafts.")
-    top_k: int | None = Field(None, ge=0, description="Draft top-k; 0 = off.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Draft top-p; 1 = off.")
+    temperature: Temperature | None = Field(None, description="Draft temperature; 0 = greedy drafts.")
+    top_k: TopK | None = Field(None, description="Draft top-k; 0 = off.")
+    top_p: TopP | None = Field(None, description="Draft top-p; 1 = off.")
 
     def apply(self, base: Sampling) -> Sampling:
-        changes = {k: v for k, v in self.model_dump().items() if v is not None}
+        changes = self.model_dump(exclude_none=True)
         return base.model_copy(update=changes) if changes else base
+
+
+class SamplingParams(BaseModel):
+    """A request's sampling parameters as asked for: unset ones follow the topology's
+    ``sampling`` (:meth:`resolve`); an unset seed is drawn when the request starts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    temperature: Temperature | None = Field(None, description="0 = greedy; unset: the topology's.")
+    top_k: TopK | None = Field(None, description="0 = off; unset: the topology's.")
+    top_p: TopP | None = Field(None, description="1 = off; unset: the topology's.")
+    seed: Seed | None = Field(None, description="Seeds the request's generator; unset: drawn.")
+    coupling: CouplingName | None = Field(None, description=COUPLING_HELP)
+
+    def resolve(self, defaults: Sampling) -> Sampling:
+        """The sampling to run with: the parameters given, the rest from ``defaults``."""
+        changes = self.model_dump(include=set(Sampling.model_fields), exclude_none=True)
+        return defaults.model_copy(update=changes) if changes else defaults
+
+
+# -- warping -------------------------------------------------------------------------------------------
+
+def sampling_probs(
+    logits: torch.Tensor,  # [..., vocab]
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> torch.Tensor:  # [..., vocab]
+    """The distribution a level samples from: temperature, then top-k, then top-p.
+
+    ``temperature == 0`` means greedy: a one-hot row at the (first) argmax. ``top_k == 0`` and
+    ``top_p == 1`` switch those filters off. Computed in at least float32.
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logits = logits.to(dtype)
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dtype)
+    logits = logits / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep a token while the mass ranked strictly above it is below top_p: the smallest
+        # set reaching top_p, and never an empty one.
+        mass_above = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_above >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+# -- drawing: the two couplings -------------------------------------------------------------------------
+
+class Coupling(abc.ABC):
+    """How a request's levels share randomness: the draws a sequence consumes at its positions,
+    how a row and its draw give a token, and (``keyed``) which acceptance rule verifies."""
+
+    #: True: a level's token at a position is decided by the position's key alone, so a verifier
+    #: keeps drafts while they equal its own draws (cascade.verify.verify_block_keyed); False:
+    #: the speculative rule over the rows the drafts were sampled from (cascade.verify.verify_block)
+    keyed: bool
+
+    @abc.abstractmethod
+    def draws(self, seed: int, generator: torch.Generator, start: int, n: int) -> torch.Tensor:  # [n] float64
+        """The randomness of a sequence's positions ``start .. start + n - 1``."""
+
+    @abc.abstractmethod
+    def draw(self, probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:  # [n, vocab], [n] -> [n] long
+        """One token per row, with the row's draw."""
+
+
+class ResidualCoupling(Coupling):
+    """The speculative rule's own coupling: uniforms from the request's generator, consumed in
+    order, a token by inverse CDF."""
+
+    keyed = False
+
+    def draws(self, seed, generator, start, n):
+        return torch.rand(n, generator=generator, dtype=torch.float64)
+
+    def draw(self, probs, draws):
+        return sample_with_uniform(probs, draws)
+
+
+# The residual coupling couples a draft and its verifier optimally per token, but the draws it
+# consumes depend on where blocks start and end, so a seed reproduces tokens only when every
+# decision about blocks does. Here every position of a sequence has its own noise, generated from
+# (the request's seed, the position) alone, and every level samples by the exponential race
+# (Gumbel-max) with that same noise: ``token = argmax_v probs[v] / E_v``, ``E_v ~ Exp(1)`` i.i.d.
+# A verifier keeps the drafted tokens while they equal its own sample at each position and then
+# emits its own sample. So the committed token at each position is the authority's own sample
+# with that position's noise: an exact sample (the noise of a position is independent of the
+# tokens before it), and the same tokens for a seed whatever the path, lookahead, batch or backend.
+
+class KeyedCoupling(Coupling):
+    """``coupling="gumbel"``: a position's draw is its key, a function of (seed, position) alone,
+    so block boundaries cannot move it; a token is the race winner with the key's noise."""
+
+    keyed = True
+
+    def draws(self, seed, generator, start, n):
+        return position_keys(seed, range(start, start + n))
+
+    def draw(self, probs, draws):
+        return sample_with_keys(probs, draws)
+
+
+#: the one place the coupling is chosen (Sampling.rule)
+COUPLINGS: dict[str, Coupling] = {"residual": ResidualCoupling(), "gumbel": KeyedCoupling()}
+
+
+def sample_with_uniform(
+    probs: torch.Tensor,  # [..., vocab], rows need not be normalised
+    uniforms: torch.Tensor,  # [...], in [0, 1)
+) -> torch.Tensor:  # [...] long
+    """Inverse-CDF sampling: the token whose cumulative-mass interval contains ``u * total``.
+
+    A token of zero mass has an empty interval and can never be returned.
+    """
+    cdf = probs.to(torch.float64).cumsum(-1)
+    point = uniforms.to(torch.float64).unsqueeze(-1) * cdf[..., -1:]
+    idx = torch.searchsorted(cdf, point, right=True).squeeze(-1)
+    if idx.dim() == 0:  # one row: the common case, kept cheap
+        if int(idx) < probs.shape[-1]:
+            return idx
+        return (probs > 0).nonzero()[-1, 0]
+    # u * total can round up to total itself; fall back to the last token with mass.
+    last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)
+    return torch.minimum(idx, last_positive)
+
+
+_KEY_MASK = (1 << 53) - 1  # a key travels in a uniform's float64 slot: it must stay an exact integer
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def position_keys(seed: int, positions: Sequence[int]) -> torch.Tensor:  # -> [n] float64, integer-valued
+    """One key per (seed, position) pair, in ``[0, 2**53)``: splitmix64 of the seed's own
+    splitmix64 plus the position, so nearby seeds and positions give unrelated keys."""
+    base = _splitmix64(seed & _MASK64)
+    return torch.tensor([float(_splitmix64((base + p) & _MASK64) & _KEY_MASK) for p in positions],
+                        dtype=torch.float64)
+
+
+def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:  # [n] -> [n, vocab] float64
+    """Each key's ``Exp(1)`` noise over the vocabulary: entry ``v`` of key ``k`` is ``-log u`` for
+    the uniform ``u`` that splitmix64 of ``(k, v)`` gives. Integer arithmetic on the CPU, so
+    every machine and backend computes the same noise."""
+    z = keys.to(torch.int64).reshape(-1, 1) * vocab + torch.arange(vocab, dtype=torch.int64)
+    z = _splitmix64_tensor(z)
+    uniforms = ((z >> 11) & _KEY_MASK).to(torch.float64).add_(0.5).mul_(2.0**-53)  # in (0, 1)
+    return uniforms.log_().neg_()
+
+
+def _splitmix64_tensor(z: torch.Tensor) -> torch.Tensor:
+    """:func:`_splitmix64` on int64 tensors (two's complement wrap-around; logical right shifts)."""
+    def shr(x: torch.Tensor, s: int) -> torch.Tensor:
+        return (x >> s) & ((1 << (64 - s)) - 1)
+
+    z = z + _signed(0x9E3779B97F4A7C15)
+    z = (z ^ shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ shr(z, 27)) * _signed(0x94D049BB133111EB)
+    return z ^ shr(z, 31)
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def sample_with_keys(
+    probs: torch.Tensor,  # [n, vocab] or [vocab], rows need not be normalised
+    keys: torch.Tensor,  # [n] or [] float64 position keys
+) -> torch.Tensor:  # [n] or [] long
+    """The exponential race: ``argmax_v probs[v] / E_v`` with the keys' noise; ``P(v) = probs[v] / sum``.
+    A token of zero mass never wins (its ratio is 0, and some token has mass)."""
+    rows = probs.reshape(-1, probs.shape[-1])
+    noise = race_noise(keys.reshape(-1), rows.shape[-1]).to(rows.device)
+    winners = (rows.to(torch.float64) / noise).argmax(-1)
+    return winners.reshape(probs.shape[:-1])

@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import Annotated, Any, Literal, Sequence
+from typing import Annotated, Any, Sequence
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BeforeValidator, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from cascade.errors import RequestError, describe
+from cascade.sampling import SamplingParams
 
-_SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes 64 bits; prompt i of a list uses seed + i
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"  # a level's device, and the device= / --device overrides
 
 
@@ -70,26 +70,23 @@ def _stop_field(value: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_int_field)]
-OptInt = Annotated[int | None, BeforeValidator(_int_field)]
-OptFloat = Annotated[float | None, BeforeValidator(_float_field)]
 Stops = Annotated[tuple[str, ...] | None, BeforeValidator(_stop_field)]
 
 
-class GenerationParams(BaseModel):
-    """The parameters of one generation request. ``None`` sampling fields follow the topology's
-    ``sampling``; the ranges here are the same as :class:`cascade.sampling.Sampling`'s."""
+class GenerationParams(SamplingParams):
+    """The parameters of one generation request: the sampling parameters, declared in
+    :class:`cascade.sampling.SamplingParams` (unset ones follow the topology's ``sampling``), and
+    the rest. Integer-like and real scalars count as ints and floats (see the module's docstring)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     max_new_tokens: Int = Field(128, ge=1, description="Most tokens to generate.")
-    temperature: OptFloat = Field(None, ge=0.0, description="0 = greedy.")
-    top_k: OptInt = Field(None, ge=0, description="0 = off.")
-    top_p: OptFloat = Field(None, gt=0.0, le=1.0, description="1 = off.")
-    seed: OptInt = Field(None, ge=0, lt=_SEED_LIMIT, description="Seeds the request's generator.")
     stop: Stops = Field(None, description="Stop strings.")
-    coupling: Literal["residual", "gumbel"] | None = Field(None, description="See cascade.sampling.Sampling.")
     batch_size: Int = Field(1, ge=1, description="Prompts in flight at once (generate only).")
     provenance: StrictBool = Field(False, description="Record each step's path, blocks and token origins.")
+
+    _ints = field_validator("top_k", "seed", mode="before")(_int_field)
+    _floats = field_validator("temperature", "top_p", mode="before")(_float_field)
 
 
 def generation_params(**kwargs: Any) -> GenerationParams:

@@ -18,8 +18,8 @@ import torch
 import cascade.engine
 from cascade import Cascade
 from cascade.engine import Request
-from cascade.sampling import Sampling
-from cascade.verify import Verdict, position_keys, sample_with_keys, verify_block_keyed
+from cascade.sampling import Sampling, position_keys, sample_with_keys
+from cascade.verify import Verdict, verify_block_keyed
 from conftest import write_topology
 from stats_util import chi_square_pvalue, total_variation
 from test_distribution import PROMPT, exact_pairs, table_topology

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from cascade.verify import Verdict, sample_with_uniform, sampling_probs, verify_block, verify_blocks
+from cascade.sampling import sample_with_uniform, sampling_probs
+from cascade.verify import Verdict, verify_block, verify_blocks
 
 BIG = 1e4
 V = 5

@@ -49,10 +49,6 @@ from workers.base import Draft, Worker, common_prefix
 log = logging.getLogger(__name__)
 
 
-def _sampling_tuple(sampling: Sampling) -> tuple[float, int, float, str]:
-    return (sampling.temperature, sampling.top_k, sampling.top_p, sampling.coupling)
-
-
 # -- the actor -----------------------------------------------------------------------------------
 
 @dataclass
@@ -104,7 +100,7 @@ class LevelActor:
             # as ActorDiedError, whose message is all that is left of it.
             self.worker, self.failed = None, exc
         self.tokens: dict[str, list[int]] = {}  # the last sequence sent for each seq_id
-        self._samplings: dict[tuple, Sampling] = {}
+        self._samplings: dict[tuple, Sampling] = {}  # the samplings seen, by their dumped fields
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -136,11 +132,12 @@ class LevelActor:
             out.append(tokens)
         return out
 
-    def _sampling(self, params: tuple) -> Sampling:
-        found = self._samplings.get(params)
+    def _sampling(self, fields: dict[str, Any]) -> Sampling:
+        """The :class:`Sampling` a call sent as ``Sampling.model_dump()``, validated once per kind."""
+        key = tuple(fields.items())
+        found = self._samplings.get(key)
         if found is None:
-            t, k, p, coupling = params
-            found = self._samplings[params] = Sampling(temperature=t, top_k=k, top_p=p, coupling=coupling)
+            found = self._samplings[key] = Sampling.model_validate(fields)
         return found
 
     def score(self, seq_ids, keeps, suffixes, num_positions):
@@ -149,14 +146,15 @@ class LevelActor:
             return None
         return [pack_rows(r) for r in self.worker.score(seq_ids, seqs, num_positions)]
 
-    def score_probs(self, seq_ids, keeps, suffixes, num_positions, sampling: tuple):
+    def score_probs(self, seq_ids, keeps, suffixes, num_positions, sampling: dict[str, Any]):
         seqs = self._sequences(seq_ids, keeps, suffixes)
         if seqs is None:
             return None
         rows = self.worker.score_probs(seq_ids, seqs, num_positions, self._sampling(sampling))
         return [pack_rows(r) for r in rows]
 
-    def draft(self, seq_ids, keeps, suffixes, max_tokens, sampling: tuple, uniforms, stop: StopRule | None):
+    def draft(self, seq_ids, keeps, suffixes, max_tokens, sampling: dict[str, Any], uniforms,
+              stop: StopRule | None):
         seqs = self._sequences(seq_ids, keeps, suffixes)
         if seqs is None:
             return None
@@ -199,14 +197,14 @@ class RayWorker(Worker):
         return self._unpack_rows(packed)
 
     def score_probs(self, seq_ids, token_ids, num_positions, sampling: Sampling) -> list[torch.Tensor]:
-        packed = self._call_seqs("score_probs", seq_ids, token_ids, list(num_positions), _sampling_tuple(sampling))
+        packed = self._call_seqs("score_probs", seq_ids, token_ids, list(num_positions), sampling.model_dump())
         return self._unpack_rows(packed)
 
     def draft(self, seq_ids, token_ids, max_tokens, sampling: Sampling, uniforms, stop: StopRule | None = None
               ) -> list[Draft]:
         raw = [to_bytes(u.to(torch.float64)) for u in uniforms]
         self.wire.sent += sum(len(u) for u in raw)
-        answers = self._call_seqs("draft", seq_ids, token_ids, list(max_tokens), _sampling_tuple(sampling), raw,
+        answers = self._call_seqs("draft", seq_ids, token_ids, list(max_tokens), sampling.model_dump(), raw,
                                   stop)
         drafts = []
         for tokens, packed, passes, more in answers:

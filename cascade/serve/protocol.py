@@ -1,9 +1,10 @@
 """OpenAI request and response shapes, and the error body every failure is sent as.
 
-Requests are validated here for *shape* (types, known fields, ``n``); the *meaning* of the
-sampling parameters and the prompt (ranges, context length) is checked by cascade itself
-(``Cascade.request`` raises :class:`cascade.errors.RequestError`), and both end up as the same
-OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}``.
+Requests are validated here for shape (types, known fields, ``n``) and for the sampling
+parameters' ranges, declared once in :mod:`cascade.sampling`; the prompt's meaning (its tokens,
+the context length) is checked by cascade itself (``Cascade.request`` raises
+:class:`cascade.errors.RequestError`), and both end up as the same OpenAI-style error:
+``{"error": {"message", "type", "param", "code"}}``.
 
 Unknown fields are refused (400, naming the field), as OpenAI's own API does: a typo such as
 ``max_token`` would otherwise silently fall back to a default. OpenAI fields cascade does not
@@ -28,6 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cascade.errors import describe, error_path
+from cascade.sampling import Seed, Temperature, TopK, TopP
 
 # cascade's parameter names -> the request fields they come from
 PARAM_NAMES = {"max_new_tokens": "max_tokens"}
@@ -177,10 +179,11 @@ class _Common(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str | None = Field(None, description="the served model's id (GET /v1/models); unset: that one")
-    temperature: float | None = Field(None, description="unset: the topology's default")
-    top_p: float | None = None
-    top_k: int | None = Field(None, description="extension (vLLM's): 0 = off")
-    seed: int | None = None
+    # the sampling parameters as cascade.sampling declares them (types, ranges); unset: the topology's
+    temperature: Temperature | None = Field(None, description="unset: the topology's default")
+    top_p: TopP | None = None
+    top_k: TopK | None = Field(None, description="extension (vLLM's): 0 = off")
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
@@ -197,7 +200,7 @@ class _Common(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
-    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty")
+    @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _finite(cls, v: float | None) -> float | None:
         if v is not None and not math.isfinite(v):
