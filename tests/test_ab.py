@@ -8,6 +8,7 @@ import pytest
 from cascade.tools.ab import paired_bootstrap_ci, sign_flip_p_value
 from cascade.cli import main
 from conftest import family_topology, write_topology
+from plots import bar_series, line_series, png_size, record_figures
 
 
 def test_bootstrap_ci_brackets_the_mean_and_narrows_with_agreement():
@@ -27,7 +28,8 @@ def test_sign_flip_p_value():
     assert sign_flip_p_value(big) < 0.001
 
 
-def test_ab_end_to_end(family, tmp_path, capsys):
+def test_ab_end_to_end(family, tmp_path, capsys, monkeypatch):
+    figures = record_figures(monkeypatch)
     topo = write_topology(tmp_path / "ab.yaml", family_topology(family, ["tiny", "small", "large"]))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):\n", "import os\n", "class A:\n"]))
@@ -48,8 +50,17 @@ def test_ab_end_to_end(family, tmp_path, capsys):
     assert len(data["runs"]) == 2 * 3 * 2
     assert {r["arm"] for r in data["runs"]} == {"A", "B"}
     assert "tiny->small" in data["acceptance_by_position"]["A"]
-    for name in ("summary.md", "speedup.png", "acceptance.png"):
-        assert (out / name).stat().st_size > 0
+    assert (out / "summary.md").stat().st_size > 0
+    # the plots: their sizes in pixels, and what the figures ab saved drew
+    assert set(figures) == {"speedup.png", "acceptance.png"}
+    assert png_size(out / "speedup.png") == (800, 350) and png_size(out / "acceptance.png") == (1000, 350)
+    (ax,) = figures["speedup.png"].axes
+    assert [bars for _, bars in bar_series(ax)] == [s["per_prompt_ratio"]]  # a bar per prompt
+    assert line_series(ax) == {f"mean {s['mean_ratio']:.3f}": ([0.0, 1.0], [s["mean_ratio"]] * 2)}
+    for ax, arm in zip(figures["acceptance.png"].axes, "AB", strict=True):
+        assert ax.get_title() == f"{arm}: {s[arm.lower()]}"
+        assert line_series(ax) == {edge: ([float(i) for i in range(1, len(rates) + 1)], rates)
+                                   for edge, rates in data["acceptance_by_position"][arm].items()}
 
 
 def test_ab_sampled_takes_top_p_top_k_and_refuses_bad_values(family, tmp_path, capsys):

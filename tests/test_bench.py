@@ -8,9 +8,11 @@ import pytest
 
 from cascade.cli import main
 from conftest import family_topology, write_topology
+from plots import bar_series, line_series, png_size, record_figures, tick_labels
 
 
-def test_bench_end_to_end(family, tmp_path, capsys):
+def test_bench_end_to_end(family, tmp_path, capsys, monkeypatch):
+    figures = record_figures(monkeypatch)
     topo = write_topology(tmp_path / "b.yaml", family_topology(
         family, ["tiny", "small", "large"], edges=[["tiny", "small"], ["small", "large"], ["tiny", "large"]],
         policy={"name": "fixed", "params": {"lookahead": {"tiny": 2, "small": 4}}}))
@@ -46,13 +48,47 @@ def test_bench_end_to_end(family, tmp_path, capsys):
     assert set(full["level_seconds_per_token"]) == {"tiny", "small", "large"}
     assert full["orchestration_seconds_per_token"] >= 0
     assert len(data["samples"]) == 5 * 3
-    for name in ("bench.md", "speedup.png", "acceptance.png", "time_breakdown.png"):
-        assert (out / name).stat().st_size > 0
+    assert (out / "bench.md").stat().st_size > 0
+    # one mode: one panel per plot; the speedup plot's height grows with the configurations (5)
+    _check_plots(out, figures, data["reports"], {"speedup.png": (700, 425), "acceptance.png": (600, 350),
+                                                 "time_breakdown.png": (800, 400)})
     assert "| cascade:3level:fixed |" in stdout
     # torch's threads chosen and said; one repeat: a speedup per repeat of one, no range column
     assert data["config"]["threads"] == 1 and "torch threads: 1" in stdout
     assert all(len(r["speedup_by_repeat"]) == 1 for r in data["reports"]) and "speedup by repeat" not in stdout
     assert "one repeat, so no range over repeats" in stdout
+
+
+def _check_plots(out, figures, reports, sizes):
+    """bench's three plots: their sizes in pixels, and what the figures it saved drew, per mode
+    (side by side): each configuration's speedup (all prompts, non-loop prompts), the acceptance
+    by draft position of the configuration with the most edges, and the time per token by level."""
+    modes = list(dict.fromkeys(r["mode"] for r in reports))
+    cascade_reports = [r for r in reports if r["acceptance_by_position"]]
+    assert set(figures) == set(sizes)
+    for name, size in sizes.items():
+        assert png_size(out / name) == size, name
+    # the panels share their y axis: the first one's labels name every panel's bars
+    for ax, mode in zip(figures["speedup.png"].axes, modes, strict=True):
+        rows = [r for r in reports if r["mode"] == mode]
+        assert ax.get_title() == mode and tick_labels(figures["speedup.png"].axes[0]) == [r["name"] for r in rows]
+        assert bar_series(ax) == [("all prompts", [r["speedup_median"] for r in rows]),
+                                  (f"{rows[0]['nonloop_prompts']} non-loop prompts",
+                                   [r["speedup_nonloop_median"] or 0.0 for r in rows])]
+    for ax, mode in zip(figures["acceptance.png"].axes, modes, strict=True):
+        rows = [r for r in cascade_reports if r["mode"] == mode]
+        full = max(rows, key=lambda r: len(r["acceptance_by_position"]))
+        assert ax.get_title() == f"acceptance by draft position: {full['name']} ({mode})"
+        assert line_series(ax) == {edge: ([float(i) for i in range(1, len(rates) + 1)], rates)
+                                   for edge, rates in full["acceptance_by_position"].items()}
+    levels = sorted({level for r in cascade_reports for level in r["level_seconds_per_token"]})
+    for ax, mode in zip(figures["time_breakdown.png"].axes, modes, strict=True):
+        rows = [r for r in cascade_reports if r["mode"] == mode]
+        assert ax.get_title() == mode
+        assert tick_labels(figures["time_breakdown.png"].axes[0]) == [r["name"] for r in rows]
+        want = [(level, [1000 * r["level_seconds_per_token"].get(level, 0.0) for r in rows]) for level in levels]
+        want.append(("orchestration", [1000 * r["orchestration_seconds_per_token"] for r in rows]))
+        assert [(label, pytest.approx(ms)) for label, ms in want] == bar_series(ax)
 
 
 def test_prediction_follows_the_path_mostly_taken():
@@ -224,7 +260,8 @@ def test_distribution_check_passes_the_cascade_and_fails_a_wrong_sampler(tmp_pat
     assert good.total_variation == good.position_total_variations[0] < wrong.total_variation
 
 
-def test_bench_sampled_with_greedy_side_by_side(family, tmp_path, capsys):
+def test_bench_sampled_with_greedy_side_by_side(family, tmp_path, capsys, monkeypatch):
+    figures = record_figures(monkeypatch)
     topo = write_topology(tmp_path / "b.yaml", family_topology(
         family, ["tiny", "large"], policy={"name": "fixed", "params": {"lookahead": {"tiny": 3}}}))
     prompts = tmp_path / "p.jsonl"
@@ -258,7 +295,9 @@ def test_bench_sampled_with_greedy_side_by_side(family, tmp_path, capsys):
                for i in range(3))
     assert "| configuration | speedup, greedy |" in stdout and "Exactness by distribution" in stdout
     assert "not checked (transformers' own sampler)" in stdout
-    assert (out / "speedup.png").stat().st_size > 0
+    # two modes side by side: twice as wide; 3 configurations a mode
+    _check_plots(out, figures, data["reports"], {"speedup.png": (1400, 335), "acceptance.png": (1200, 350),
+                                                 "time_breakdown.png": (1600, 400)})
 
 
 def test_bench_exit_status_says_a_distribution_failure(family, tmp_path, monkeypatch, capsys):

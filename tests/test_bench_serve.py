@@ -14,6 +14,7 @@ import pytest
 
 from cascade.tools import bench_serve as bs
 from conftest import family_topology, write_topology
+from plots import bar_series, line_series, png_size, record_figures, same_pixels, tick_labels
 
 sys.path.insert(0, str(Path(__file__).parent / "serve"))
 from serve_util import ROOT, serve  # noqa: E402
@@ -181,7 +182,7 @@ def test_poisson_load_with_a_cap_and_the_time_bound():
 
 # -- against a real server ---------------------------------------------------------------------
 
-def test_against_cascade_serve(family, tmp_path):
+def test_against_cascade_serve(family, tmp_path, monkeypatch):
     topo = write_topology(tmp_path / "t.yaml", family_topology(
         family, ["small", "large"], ngram=True, name="served",
         policy={"name": "fixed", "params": {"lookahead": {"ngram": 3, "small": 4}}}))
@@ -210,7 +211,8 @@ def test_against_cascade_serve(family, tmp_path):
     assert all(0 < r["tokens"] <= 12 for r in result["records"])
     assert s["ttft"]["n"] == 4 and s["itl"]["n"] == s["output_tokens"] - 4 - _tokens_in_first_chunks(
         result, bs._token_counter(str(family / "large")))
-    assert "| cascade c=2 |" in (out / "r.md").read_text() and (out / "r.png").stat().st_size > 0
+    assert "| cascade c=2 |" in (out / "r.md").read_text()
+    _check_run_plot(out / "r.png", result, tmp_path, monkeypatch)
     # the server counted the same tokens (and the warm-up request's)
     generated = [line for line in metrics.splitlines() if line.startswith("cascade:generation_tokens_total")]
     assert generated and float(generated[0].split()[-1]) >= s["output_tokens"]
@@ -218,7 +220,42 @@ def test_against_cascade_serve(family, tmp_path):
     table = subprocess.run([sys.executable, "-c", "import sys; from cascade.cli import main; sys.exit(main())",
                             "bench-serve", "--table", str(out / "r.json"), str(out / "r.json"),
                             "--plot", str(out / "t.png")], capture_output=True, text=True, cwd=ROOT)
-    assert table.returncode == 0 and table.stdout.count("| cascade c=2 |") == 2 and (out / "t.png").exists()
+    assert table.returncode == 0 and table.stdout.count("| cascade c=2 |") == 2
+    _check_table_plot(out / "t.png", [result, result], tmp_path, monkeypatch)
+
+
+# The plots come from another process: each is checked for its size in pixels, and for showing
+# the same pixels as a plot rendered here from the saved run(s), whose figure shows the series.
+
+def _check_run_plot(path, result, tmp_path, monkeypatch):
+    """Three panels of empirical CDFs, in ms: TTFT, TPOT, and the gaps per token and between chunks."""
+    assert png_size(path) == (1430, 396)
+    figures = record_figures(monkeypatch)
+    bs.plot_run(result, result["raw_s"], tmp_path / "run.png")
+    assert same_pixels(path, tmp_path / "run.png")
+    fig = figures["run.png"]
+    assert fig.get_suptitle() == "cascade c=2"
+    for ax, keys in zip(fig.axes, (["ttft"], ["tpot"], ["itl", "chunk_gap"]), strict=True):
+        want = {}
+        for key in keys:
+            xs = sorted(1e3 * x for x in result["raw_s"][key])
+            if xs:
+                want[{"itl": "per token", "chunk_gap": "between chunks"}.get(key, key)] = (
+                    xs, [(i + 1) / len(xs) for i in range(len(xs))])
+        assert line_series(ax) == want
+    assert result["raw_s"]["ttft"] and result["raw_s"]["itl"]  # something was drawn
+
+
+def _check_table_plot(path, results, tmp_path, monkeypatch):
+    """Each run's output tokens/s and median TPOT, side by side."""
+    assert png_size(path) == (1320, 264)
+    figures = record_figures(monkeypatch)
+    bs.plot_table(results, tmp_path / "table.png")
+    assert same_pixels(path, tmp_path / "table.png")
+    tps, tpot = figures["table.png"].axes
+    assert tick_labels(tps) == [r["label"] for r in results]
+    assert [bars for _, bars in bar_series(tps)] == [[r["summary"]["output_tokens_per_s"] for r in results]]
+    assert [bars for _, bars in bar_series(tpot)] == [[r["summary"]["tpot"]["median_ms"] for r in results]]
 
 
 def _tokens_in_first_chunks(result, count) -> int:
