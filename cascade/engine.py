@@ -1,14 +1,15 @@
 """The engine: one exact speculative step along a path of the hierarchy, repeated.
 
 A step runs a path ``l_0 -> l_1 -> ... -> authority`` chosen by the policy
-(:meth:`Engine.step`). ``_extend(i)`` produces, per sequence, up to its budget of tokens that
-are exact samples of level ``l_i``'s distribution:
+(:meth:`Engine.step`). :meth:`Engine._extend` (read it first: the whole step on one screen)
+produces, per sequence, up to its budget of tokens that are exact samples of level ``l_i``'s
+distribution:
 
 - the first level of the path drafts them autoregressively (:meth:`Engine._draft`,
   ``Worker.draft``);
-- any other level repeats rounds of: get a block from ``l_{i-1}`` (its lookahead), score it in
-  one forward pass, verify it, emit the accepted prefix plus the recovered/bonus token
-  (:meth:`Engine._verify_rounds`, ``cascade/verify.py``).
+- any other level repeats rounds of: draft (a block from ``l_{i-1}``, up to its lookahead),
+  verify (score it in one forward pass, the exact rule of ``cascade/verify.py``), commit (the
+  accepted prefix plus the recovered/bonus token join ``l_i``'s block).
 
 Every token ``l_i`` emits is an exact sample of ``l_i``'s distribution and ``l_i`` computed that
 distribution at its position, so (tokens, rows) go up as (draft tokens, ``draft_probs``) to
@@ -18,9 +19,11 @@ lookahead and its own confidence): stopping times, which keep it exact.
 
 Sequences run in batches (:class:`Batch`, a solo request is a batch of one): each forward pass
 of a level covers every sequence that needs one at that point, each sequence accepts its own
-number of tokens, and each draws its randomness from its own generator. Every worker call is
-timed once (:meth:`Engine._timed_call`): each sequence's stats get their share, the policy's
-cost model the positions the call really computed.
+number of tokens, and each draws its randomness from its own generator. Bookkeeping is
+recorded beside the step, not threaded through it: every worker call is priced once
+(:meth:`Engine._price`: each sequence's stats get their share, the policy's cost model the
+positions the call really computed), edge outcomes and draft confidence go into the step's
+:class:`_StepRecord`, and each token's origin travels with it in its :class:`_Seq`.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Iterator, Mapping, NamedTuple
 
 import networkx as nx
 import torch
@@ -39,12 +42,7 @@ from cascade.stats import BlockOutcome, RequestStats, StepProvenance, cut_proven
 from cascade.verify import Verdict, verify_block, verify_block_keyed
 from policies.base import (DraftStep, EdgeOutcome, PassCost, PlanContext, Policy, PolicyError, StepFeedback,
                            StepPlan, StopRule, draft_step)
-from workers.base import Worker, common_prefix
-
-# A level's output for one sequence: its tokens and the rows ``[len(tokens), vocab]`` they were
-# sampled from (None when there are no tokens).
-Block = tuple[list[int], torch.Tensor | None]
-
+from workers.base import Draft, Worker, common_prefix
 
 @dataclass
 class Request:
@@ -111,6 +109,12 @@ class _StepRecord:
             confidence = tuple(confidence[:proposed])
         self.edges.append(EdgeOutcome(proposer, verifier, proposed, accepted, confidence))
 
+    def drafted(self, level: str, draft: Draft) -> None:
+        """The first level's block: its own token probabilities, and whether its stop rule ended it."""
+        self.confidence.extend(draft.confidence or [])
+        self.draft_confidence = draft.confidence if draft.tokens else None
+        self.stats.level(level).early_stops += draft.stopped_early
+
     def provenance(self, plan: StepPlan, tokens: list[int], origins: list[str]) -> StepProvenance:
         blocks = tuple(BlockOutcome(e.proposer, e.verifier, e.proposed, e.accepted) for e in self.edges)
         return StepProvenance(plan.path, tuple(tokens), tuple(origins), blocks)
@@ -123,7 +127,8 @@ class _StepRecord:
 @dataclass(slots=True)
 class _Seq:
     """One sequence's part in one level's work during a step: up to ``budget`` exact samples of
-    the level after ``prefix``, gathered in ``tokens`` with the rows they were sampled from."""
+    the level after ``prefix``, gathered in ``tokens`` with the rows they were sampled from and
+    the level whose draft each one is (``origins``, for provenance)."""
 
     state: RequestState
     record: _StepRecord
@@ -131,18 +136,40 @@ class _Seq:
     budget: int
     tokens: list[int] = field(default_factory=list)
     rows: list[torch.Tensor] = field(default_factory=list)
+    origins: list[str] = field(default_factory=list)
     last: DraftStep | None = None  # the block's previous step, for the stop rule
     stopped: bool = False  # the stop rule ended the block
-    # with provenance, parallel to ``tokens``: the level whose draft each token is (else None)
-    origins: list[str] | None = None
+
+    @property
+    def open(self) -> bool:
+        return not self.stopped and len(self.tokens) < self.budget
 
     def below(self, budget: int) -> "_Seq":
-        """The sequence's part for the level below: a block after what this level has so far."""
-        return _Seq(self.state, self.record, self.prefix + self.tokens, budget,
-                    origins=None if self.origins is None else [])
+        """The sequence's part for the level below: a block after what this level has so far
+        (an empty one, ``budget`` 0, needs no prefix)."""
+        return _Seq(self.state, self.record, self.prefix + self.tokens if budget else [], budget)
 
-    def block(self) -> Block:
-        return self.tokens, (torch.stack(self.rows) if self.rows else None)
+    def probs(self) -> torch.Tensor | None:  # [len(tokens), vocab]
+        return torch.stack(self.rows) if self.rows else None
+
+    def draws(self, sampling: Sampling, n: int) -> torch.Tensor:  # [n] float64
+        """The sequence's randomness for its next ``n`` positions (cascade/sampling.py)."""
+        return sampling.draws(self.state.seed, self.state.generator, len(self.prefix) + len(self.tokens), n)
+
+    def emit(self, level: str, tokens: list[int], rows: torch.Tensor, origins: list[str],
+             logits: torch.Tensor | None, stop: StopRule | None) -> None:
+        """Append a round's tokens with the rows they were sampled from and their origins.
+        ``stop`` (never the authority's) may end the block after any of them short of the budget."""
+        for j, tok in enumerate(tokens):
+            self.tokens.append(tok)
+            self.rows.append(rows[j])
+            self.origins.append(origins[j])
+            if stop is not None and len(self.tokens) < self.budget:
+                self.last = draft_step(len(self.tokens) - 1, logits[j], tok, previous=self.last)
+                if stop.should_stop(self.last):
+                    self.record.stats.level(level).early_stops += 1
+                    self.stopped = True
+                    return
 
 
 class _Feed(NamedTuple):
@@ -247,164 +274,117 @@ class Engine:
         worker raises :class:`WorkerError` naming its level (``exc.level``). A request with
         provenance gets the step's :class:`StepProvenance` appended (uncut; the caller cuts it too).
         """
-        records = [_StepRecord(s.stats) for s in group]
-        seqs = [_Seq(s, r, s.request.prompt_ids + s.generated, b, origins=None if s.provenance is None else [])
-                for s, r, b in zip(group, records, budgets)]
-        blocks = self._extend(seqs, len(plan.path) - 1, plan, policy)
-        for state, record, seq, (tokens, _) in zip(group, records, seqs, blocks):
-            policy.observe(record.feedback(plan, len(tokens), state.seq_id))
-            if seq.origins is not None:
-                state.provenance.append(record.provenance(plan, tokens, seq.origins))
-        return [tokens for tokens, _ in blocks]
+        seqs = [_Seq(s, _StepRecord(s.stats), s.request.prompt_ids + s.generated, b) for s, b in zip(group, budgets)]
+        self._extend(seqs, len(plan.path) - 1, plan, policy)
+        for s in seqs:
+            policy.observe(s.record.feedback(plan, len(s.tokens), s.state.seq_id))
+            if s.state.provenance is not None:
+                s.state.provenance.append(s.record.provenance(plan, s.tokens, s.origins))
+        return [s.tokens for s in seqs]
 
-    def _extend(self, seqs: list[_Seq], i: int, plan: StepPlan, policy: Policy) -> list[Block]:
-        """For each sequence, up to its budget of exact samples of level ``plan.path[i]``."""
+    def _extend(self, seqs: list[_Seq], i: int, plan: StepPlan, policy: Policy) -> None:
+        """Fill each sequence's block with up to its budget of exact samples of level ``plan.path[i]``.
+
+        The path's first level drafts them. Any other level works in rounds: draft (a block from
+        the level below, itself verified up to there), verify (one forward pass of this level over
+        every sequence and its block, then the exact rule), commit (the accepted prefix and one
+        recovered or bonus token join this level's block). The authority runs a single round.
+        """
+        level, top = plan.path[i], i == len(plan.path) - 1
+        sampling, stop = self._sampling(seqs[0].state, level), plan.stop.get(level)
         try:
-            if i == 0 and plan.path[i] != self.authority:
-                return self._draft(seqs, plan.path[i], plan.stop.get(plan.path[i]), policy)
-            return self._verify_rounds(seqs, i, plan, policy)
+            if i == 0 and not top:
+                self._draft(seqs, level, sampling, stop, policy)
+                return
+            while active := [s for s in seqs if s.open]:
+                blocks = self._blocks_below(active, i, plan, policy)  # draft
+                logits, target_probs = self._score(level, active, blocks, sampling, stop, policy)  # verify
+                draws = [s.draws(sampling, len(b.tokens) + 1) for s, b in zip(active, blocks)]
+                alone = self._sample_alone(sampling, blocks, target_probs, draws)
+                for a, (s, b) in enumerate(zip(active, blocks)):
+                    if b.tokens:
+                        verdict = _verdict(sampling, b.tokens, b.probs(), target_probs[a], draws[a])
+                        s.record.edge(plan.path[i - 1], level, len(b.tokens), verdict.accepted)
+                        tokens = b.tokens[: verdict.accepted] + [verdict.next_token]
+                        origins = b.origins[: verdict.accepted] + [level]  # accepted drafts keep theirs
+                    else:  # nothing proposed: the level sampled one token itself
+                        tokens, origins = [alone[a]], [level]
+                    s.emit(level, tokens, target_probs[a], origins,  # commit to this level's block
+                           None if logits is None else logits[a], None if top else stop)
+                if top:
+                    break  # the authority commits after one verification
         except WorkerError as exc:
             if exc.level is None:  # name the failing level (the innermost call sets it first)
-                exc.level = plan.path[i]
+                exc.level = level
             raise
 
-    def _draft(self, seqs: list[_Seq], level: str, stop: StopRule | None, policy: Policy) -> list[Block]:
-        """The path's first level drafts each block autoregressively, one forward pass per token
-        for all sequences still drafting; ``stop`` may end a block early."""
-        worker, sampling = self.workers[level], self._sampling(seqs[0].state, level)
-        # A sequence's draws for the whole block come from its generator up front.
-        uniforms = [_draws(s.state, sampling, len(s.prefix), s.budget) for s in seqs]
-
-        def call():
-            return worker.draft([s.state.seq_id for s in seqs], [s.prefix for s in seqs], [s.budget for s in seqs],
-                                sampling, uniforms, stop)
-
-        def feeds(drafts):  # the first pass feeds what the level has not cached, each later one the token before
-            return [_Feed(s.prefix + d.tokens[:-1], len(d.tokens), len(s.prefix) + len(d.tokens) - 1,
-                          d.forward_passes, d.forward_passes) for s, d in zip(seqs, drafts)]
-
-        drafts = self._timed_call(level, seqs, policy, call, feeds)
-        for s, d in zip(seqs, drafts):
-            if s.origins is not None:
-                s.origins = [level] * len(d.tokens)
-            s.record.confidence.extend(d.confidence or [])
-            s.record.draft_confidence = d.confidence if d.tokens else None
-            s.record.stats.level(level).early_stops += d.stopped_early
-        return [(d.tokens, d.probs) for d in drafts]
-
-    def _verify_rounds(self, seqs: list[_Seq], i: int, plan: StepPlan, policy: Policy) -> list[Block]:
-        """Level ``plan.path[i]`` builds each block in rounds: a block from the level below, scored
-        in one forward pass, verified; the accepted prefix and the recovered or bonus token are
-        emitted. Every pass covers all sequences still short of their budget; each accepts its
-        own number of tokens. The authority (top of the path) runs a single round."""
-        level, top = plan.path[i], i == len(plan.path) - 1
-        below = plan.path[i - 1] if i > 0 else None
-        sampling, stop = self._sampling(seqs[0].state, level), plan.stop.get(level)
-        while active := [s for s in seqs if not s.stopped and len(s.tokens) < s.budget]:
-            proposals, origins = self._proposals(active, i, plan, policy)
-            logits, target_probs = self._score(level, active, proposals, sampling, stop, policy)
-            # Each sequence draws from its own generator, k + 1 uniforms, as it always has.
-            uniforms = [_draws(s.state, sampling, len(s.prefix) + len(s.tokens), len(tokens) + 1)
-                        for s, (tokens, _) in zip(active, proposals)]
-            sampled = self._sample_unproposed(sampling, proposals, target_probs, uniforms)
-            for a, (s, (tokens, draft_probs)) in enumerate(zip(active, proposals)):
-                if tokens:
-                    verdict = _verdict(sampling, tokens, draft_probs, target_probs[a], uniforms[a])
-                    s.record.edge(below, level, len(tokens), verdict.accepted)
-                    emitted = tokens[: verdict.accepted] + [verdict.next_token]
-                else:  # nothing proposed: the level sampled one token itself
-                    emitted = [sampled[a]]
-                # accepted tokens keep the level that drafted them; the last is this level's own
-                origin = None if s.origins is None else origins[a][: len(emitted) - 1] + [level]
-                self._emit(s, level, emitted, target_probs[a], None if logits is None else logits[a],
-                           None if top else stop, origin)
-            if top:
-                break  # the authority commits after one verification
-        return [s.block() for s in seqs]
-
-    def _proposals(self, seqs: list[_Seq], i: int, plan: StepPlan,
-                   policy: Policy) -> tuple[list[Block], list[list[str]]]:
-        """This round's block from the level below ``plan.path[i]`` for each sequence (none for
-        the first level of the path), and (with provenance) the level each of its tokens came from."""
-        proposals: list[Block] = [([], None)] * len(seqs)
-        origins: list[list[str]] = [[]] * len(seqs)
-        if i == 0:
-            return proposals, origins
-        lookahead = plan.lookahead.get(plan.path[i - 1], 0)
+    def _blocks_below(self, seqs: list[_Seq], i: int, plan: StepPlan, policy: Policy) -> list[_Seq]:
+        """This round's block from the level below ``plan.path[i]`` for each sequence (empty at
+        the path's first level), with the level each of its tokens came from."""
+        lookahead = plan.lookahead.get(plan.path[i - 1], 0) if i > 0 else 0
         # Ask for at most budget-1-len(tokens): with the bonus token a fully accepted block then
         # lands exactly on the budget.
-        wanted = [min(lookahead, s.budget - len(s.tokens) - 1) for s in seqs]
-        need = [a for a, k in enumerate(wanted) if k > 0]
-        if need:
-            below = [seqs[a].below(wanted[a]) for a in need]
-            got = self._extend(below, i - 1, plan, policy)
-            for a, block, b in zip(need, got, below):
-                proposals[a] = block
-                origins[a] = b.origins or []
-        return proposals, origins
+        blocks = [s.below(min(lookahead, s.budget - len(s.tokens) - 1)) for s in seqs]
+        asked = [b for b in blocks if b.budget > 0]
+        if asked:
+            self._extend(asked, i - 1, plan, policy)
+        return blocks
 
-    def _score(self, level: str, seqs: list[_Seq], proposals: list[Block], sampling: Sampling,
+    def _draft(self, seqs: list[_Seq], level: str, sampling: Sampling, stop: StopRule | None,
+               policy: Policy) -> None:
+        """The path's first level drafts each block autoregressively, one forward pass per token
+        for all sequences still drafting; ``stop`` may end a block early."""
+        uniforms = [s.draws(sampling, s.budget) for s in seqs]  # a block's draws, all up front
+        t0 = time.perf_counter()
+        drafts = self.workers[level].draft([s.state.seq_id for s in seqs], [s.prefix for s in seqs],
+                                           [s.budget for s in seqs], sampling, uniforms, stop)
+        # the first pass feeds what the level has not cached, each later one the token before
+        self._price(level, seqs, policy, time.perf_counter() - t0,
+                    [_Feed(s.prefix + d.tokens[:-1], len(d.tokens), len(s.prefix) + len(d.tokens) - 1,
+                           d.forward_passes, d.forward_passes) for s, d in zip(seqs, drafts)])
+        for s, d in zip(seqs, drafts):
+            s.tokens, s.origins = list(d.tokens), [level] * len(d.tokens)
+            s.rows = list(d.probs) if d.tokens else []
+            s.record.drafted(level, d)
+
+    def _score(self, level: str, seqs: list[_Seq], blocks: list[_Seq], sampling: Sampling,
                stop: StopRule | None, policy: Policy) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
         """One forward pass of ``level`` over each sequence with its proposed block: the level's
         sampling rows ``[k_b + 1, vocab]`` per sequence, and its logits where a stop rule reads
         them (else None)."""
         worker = self.workers[level]
         ids = [s.state.seq_id for s in seqs]
-        tokens = [s.prefix + s.tokens + block for s, (block, _) in zip(seqs, proposals)]
-        positions = [len(block) + 1 for block, _ in proposals]
-        feeds = [_Feed(t, m, len(t), 1, m) for t, m in zip(tokens, positions)]
+        tokens = [s.prefix + s.tokens + b.tokens for s, b in zip(seqs, blocks)]
+        positions = [len(b.tokens) + 1 for b in blocks]
+        t0 = time.perf_counter()
         if stop is None:
             # Only the sampling rows are needed: a remote worker warps next to the model and
             # ships the nonzero entries alone.
-            call = lambda: (None, worker.score_probs(ids, tokens, positions, sampling))  # noqa: E731
+            logits, rows = None, worker.score_probs(ids, tokens, positions, sampling)
         else:  # the stop rule reads the model's own logits
-
-            def call():
-                logits = worker.score(ids, tokens, positions)
-                return logits, [sampling.probs(x) for x in logits]
-
-        return self._timed_call(level, seqs, policy, call, lambda _: feeds)
+            logits = worker.score(ids, tokens, positions)
+            rows = [sampling.probs(x) for x in logits]
+        self._price(level, seqs, policy, time.perf_counter() - t0,
+                    [_Feed(t, m, len(t), 1, m) for t, m in zip(tokens, positions)])
+        return logits, rows
 
     @staticmethod
-    def _sample_unproposed(sampling: Sampling, proposals: list[Block], target_probs: list[torch.Tensor],
-                           uniforms: list[torch.Tensor]) -> dict[int, int]:
+    def _sample_alone(sampling: Sampling, blocks: list[_Seq], target_probs: list[torch.Tensor],
+                      draws: list[torch.Tensor]) -> dict[int, int]:
         """Sequences with nothing proposed sample one token each from the level: all in one call."""
-        alone = [a for a, (tokens, _) in enumerate(proposals) if not tokens]
+        alone = [a for a, b in enumerate(blocks) if not b.tokens]
         if not alone:
             return {}
         picked = sampling.draw(torch.stack([target_probs[a][0] for a in alone]),
-                               torch.stack([uniforms[a][0] for a in alone]))
+                               torch.stack([draws[a][0] for a in alone]))
         return dict(zip(alone, picked.tolist()))
 
     @staticmethod
-    def _emit(s: _Seq, level: str, emitted: list[int], rows: torch.Tensor, logits: torch.Tensor | None,
-              stop: StopRule | None, origins: list[str] | None) -> None:
-        """Append a round's tokens to the sequence's block with the rows they were sampled from
-        (and, with provenance, their ``origins``). ``stop`` (never the authority's) may end the
-        block after any of them short of the budget."""
-        for j, tok in enumerate(emitted):
-            s.tokens.append(tok)
-            s.rows.append(rows[j])
-            if origins is not None:
-                s.origins.append(origins[j])
-            if stop is not None and len(s.tokens) < s.budget:
-                s.last = draft_step(len(s.tokens) - 1, logits[j], tok, previous=s.last)
-                if stop.should_stop(s.last):
-                    s.record.stats.level(level).early_stops += 1
-                    s.stopped = True
-                    break
-
-    @staticmethod
-    def _timed_call(level: str, seqs: list[_Seq], policy: Policy, call: Callable[[], Any],
-                    feeds: Callable[[Any], list[_Feed]]) -> Any:
-        """Run ``call`` (one worker call for ``seqs``) and report what it cost: each sequence's
-        record gets an equal share of the time and its forward passes; the policy one
-        :class:`PassCost` with the positions the level really computed, prefill included
-        (``feeds(result)`` says what the call handed the level for each sequence)."""
-        t0 = time.perf_counter()
-        result = call()
-        seconds = time.perf_counter() - t0
-        fed = feeds(result)
+    def _price(level: str, seqs: list[_Seq], policy: Policy, seconds: float, fed: list[_Feed]) -> None:
+        """Record what one worker call for ``seqs`` cost: each sequence's record gets an equal
+        share of the ``seconds`` and its forward passes; the policy one :class:`PassCost` with the
+        positions the level really computed, prefill included (``fed``: what the call handed the
+        level for each sequence)."""
         computed = [s.state.fed(level, f.tokens, f.positions, f.cached_after) for s, f in zip(seqs, fed)]
         passes = [f.passes for f in fed]
         policy.observe_pass(PassCost(level, len(seqs), max(passes), sum(computed), seconds, rows=sum(passes),
@@ -412,7 +392,6 @@ class Engine:
         share = seconds / len(seqs)
         for s, p in zip(seqs, passes):
             s.record.cost(level, share, p)
-        return result
 
 
 class Batch:
@@ -536,11 +515,6 @@ class Batch:
         for state in self.active:
             state.finish_reason = state.finish_reason or "cancelled"
         self._retire()
-
-
-def _draws(state: RequestState, sampling: Sampling, start: int, n: int) -> torch.Tensor:  # [n] float64
-    """A sequence's randomness for its positions ``start .. start + n - 1`` (cascade/sampling.py)."""
-    return sampling.draws(state.seed, state.generator, start, n)
 
 
 def _verdict(sampling: Sampling, tokens: list[int], draft_probs: torch.Tensor | None,
