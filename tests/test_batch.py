@@ -5,8 +5,8 @@ import pytest
 
 from cascade import Cascade, RequestError
 from conftest import family_topology, write_topology
-from test_distribution import CASES, NGRAM_POLICY, NGRAM_PROMPT, table_topology
-from test_engine_hf import prompts_from_text
+from draws import NGRAM_POLICY, NGRAM_PROMPT, RESIDUAL_CASES, table_topology
+from hf_util import prompts_from_text
 
 
 class ForwardCounter:
@@ -35,17 +35,20 @@ def test_batched_greedy_equals_solo_greedy(family, tokenizer, tmp_path):
     assert sum(g.stats.authority_passes for g in batched) == solo_passes  # per-request accounting
 
 
-@pytest.mark.parametrize("depth,temperature,top_k,top_p,draft", CASES + [(3, 1.0, 0, 1.0, "ngram")])
-def test_batched_sampling_reproduces_solo_tokens_for_the_same_seeds(tmp_path, depth, temperature, top_k, top_p, draft):
-    """Each sequence draws from its own generator, so batching changes no random draw: on every
-    topology the distribution tests draw batched (test_distribution.py), batched == solo."""
+@pytest.mark.parametrize("coupling", [None, "residual"], ids=["keyed", "residual"])
+@pytest.mark.parametrize("depth,temperature,top_k,top_p,draft", RESIDUAL_CASES + [(3, 1.0, 0, 1.0, "ngram")])
+def test_batched_sampling_reproduces_solo_tokens_for_the_same_seeds(tmp_path, depth, temperature, top_k, top_p, draft,
+                                                                    coupling):
+    """Each sequence draws from its own generator (residual) or its own keys (keyed: a seed and
+    no coupling), so batching changes no random draw: on every topology the residual
+    distribution tests draw batched (test_distribution.py), batched == solo, under both rules."""
     if draft == "ngram":
         topo = table_topology(tmp_path, depth, policy=NGRAM_POLICY, ngram=True)
         prompts = [NGRAM_PROMPT + [i % 6] for i in range(40)]
     else:
         topo = table_topology(tmp_path, depth, draft_sampling=draft)
         prompts = [[i % 6] for i in range(40)]
-    sampling = dict(max_new_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p, seed=3)
+    sampling = dict(max_new_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p, seed=3, coupling=coupling)
     with Cascade.from_topology(topo) as c:
         solo = [g.token_ids for g in c.generate(prompts, **sampling)]
         batched = [g.token_ids for g in c.generate(prompts, **sampling, batch_size=16)]

@@ -1,11 +1,11 @@
 """Position-keyed randomness (``coupling="gumbel"``, the default for a request with a seed):
-exact, and the same tokens for a seed whatever the policy, path, lookahead or batch — under
-sampling, token for token.
+the same tokens for a seed whatever the policy, path, lookahead or batch — under sampling,
+token for token — and the pure functions it rests on.
 
-The distribution tests follow tests/test_distribution.py: ≥ 100k draws through the real engine
-over bigram-table workers, against the authority's distribution computed by enumeration, with a
-negative control (a rule that accepts every draft) failing the same bound. They run the default
-path — a seed and no coupling — which the negative control shows is the keyed rule.
+Its exactness by distribution is tested with the residual rule's, by one parametrised test in
+tests/test_distribution.py: ≥ 100k draws through the real engine over bigram-table workers
+(the default path, a seed and no coupling), against the authority's distribution computed by
+enumeration, with a negative control (a rule that accepts every draft) failing the same bound.
 """
 from __future__ import annotations
 
@@ -15,16 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import cascade.engine
 from cascade import Cascade
 from cascade.engine import Request
 from cascade.sampling import Sampling, position_keys, sample_with_keys
 from cascade.verify import Verdict, verify_block_keyed
 from conftest import write_topology
+from draws import VOCAB, table_topology
 from stats_util import chi_square_pvalue, total_variation
-from test_distribution import PROMPT, exact_pairs, table_topology
 
-VOCAB = 6
 FOUR_LEVEL = Path(__file__).resolve().parents[1] / "topologies" / "4level.yaml"
 
 
@@ -63,46 +61,6 @@ def test_the_same_noise_couples_levels():
 
 
 # -- through the engine ------------------------------------------------------------------------------
-
-CASES = [  # depth, temperature, top_k, top_p, draft sampling override
-    (4, 0.8, 4, 0.9, None),
-    (2, 1.0, 0, 1.0, {"temperature": 0.0}),  # greedy drafts: still the authority's keyed samples
-]
-
-
-def draw_pairs(topology: str, n: int, seed: int, **sampling) -> Counter:
-    # Batched (2.5x cheaper than one request at a time): under the keyed coupling a request's
-    # tokens do not depend on its batch (test_same_seed_same_tokens_whatever_the_policy_and_batch),
-    # so this bounds the solo path's distribution too.
-    with Cascade.from_topology(topology) as c:
-        # no coupling: a seed alone selects the keyed one (the default path)
-        results = c.generate([PROMPT] * n, max_new_tokens=4, seed=seed, batch_size=64, **sampling)
-    return Counter(tuple(g.token_ids[:2]) for g in results)
-
-
-@pytest.mark.parametrize("depth,temperature,top_k,top_p,draft", CASES)
-def test_keyed_joint_distribution_is_exact(tmp_path, depth, temperature, top_k, top_p, draft):
-    n = 100_000
-    counts = draw_pairs(table_topology(tmp_path, depth, draft_sampling=draft), n, seed=depth,
-                        temperature=temperature, top_k=top_k, top_p=top_p)
-    expected = exact_pairs(depth, temperature, top_k, top_p)
-    stat, pvalue = chi_square_pvalue(counts, expected, n)
-    assert pvalue > 1e-4, (stat, pvalue, total_variation(counts, expected, n))
-    assert total_variation(counts, expected, n) < 0.012
-
-
-def _accept_every_draft(draft_tokens, target_tokens):
-    """A wrong rule: keep the whole block, whatever the verifier would have sampled."""
-    return Verdict(len(draft_tokens), int(target_tokens[len(draft_tokens)]), True)
-
-
-def test_wrong_keyed_rule_fails_the_same_bound(tmp_path, monkeypatch):
-    monkeypatch.setattr(cascade.engine, "verify_block_keyed", _accept_every_draft)
-    n = 30_000
-    counts = draw_pairs(table_topology(tmp_path, 2), n, seed=99, temperature=1.0)
-    _, pvalue = chi_square_pvalue(counts, exact_pairs(2, 1.0, 0, 1.0), n)
-    assert pvalue < 1e-9
-
 
 def _levels(names: list[str]) -> list[dict]:
     seeds = {"tiny": 10, "small": 11, "medium": 12, "large": 13}  # large: the authority of every variant

@@ -8,8 +8,8 @@ import pytest
 
 from cascade import Cascade
 from conftest import write_topology
+from draws import MAX_NEW, PROMPT, SCALE, VOCAB, exact_pairs
 from stats_util import chi_square_pvalue, total_variation
-from test_distribution import MAX_NEW, PROMPT, SCALE, VOCAB, exact_pairs
 
 
 ADAPTIVE = [

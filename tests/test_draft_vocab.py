@@ -11,8 +11,8 @@ import torch
 import cascade.engine
 from cascade import Cascade
 from conftest import make_llama, write_topology
+from draws import exact_pairs, verify_ignoring_draft_probs
 from stats_util import chi_square_pvalue, total_variation
-from test_distribution import _verify_ignoring_draft_probs, exact_pairs
 from workers.draft_vocab import FILE, DraftVocab
 from workers.hf import HFWorker
 
@@ -79,7 +79,7 @@ def _draw(topology: str, n: int, seed: int, **sampling) -> Counter:
 
 def test_trimmed_drafter_output_is_exact(tmp_path, trimmed):
     """100k draws of the first two tokens through the engine; the authority's distribution is
-    known by enumeration (its table is the same as test_distribution's 2-level authority)."""
+    known by enumeration (its table is the same as the 2-level table topology's authority, tests/draws.py)."""
     n = 100_000
     counts = _draw(_topology(tmp_path, trimmed), n, seed=3, temperature=1.0)
     expected = exact_pairs(2, 1.0, 0, 1.0)
@@ -90,7 +90,7 @@ def test_trimmed_drafter_output_is_exact(tmp_path, trimmed):
 
 
 def test_trimmed_drafter_negative_control(tmp_path, trimmed, monkeypatch):
-    monkeypatch.setattr(cascade.engine, "verify_block", _verify_ignoring_draft_probs)
+    monkeypatch.setattr(cascade.engine, "verify_block", verify_ignoring_draft_probs)
     n = 20_000
     counts = _draw(_topology(tmp_path, trimmed), n, seed=4, temperature=1.0)
     _, pvalue = chi_square_pvalue(counts, exact_pairs(2, 1.0, 0, 1.0), n)

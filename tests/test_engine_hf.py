@@ -9,30 +9,9 @@ from transformers import AutoModelForCausalLM
 
 from cascade import Cascade
 from policies.fixed import FixedPolicy
-from conftest import TEXT, family_topology, make_llama, write_topology
+from conftest import family_topology, make_llama, write_topology
+from hf_util import prompts_from_text, reference_greedy
 from stats_util import chi_square_pvalue, total_variation
-
-
-_MODELS = {}
-
-
-def reference_greedy(model_dir, prompt_ids, max_new_tokens):
-    """The authority alone, through transformers' own generate."""
-    if model_dir not in _MODELS:
-        _MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
-    model = _MODELS[model_dir]
-    out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
-                         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
-    return out[0, len(prompt_ids):].tolist()
-
-
-def prompts_from_text(tokenizer, count):
-    lines = [ln for ln in TEXT.splitlines() if ln.strip()]
-    prompts = []
-    for i in range(count):
-        text = "\n".join(lines[i % len(lines): i % len(lines) + 1 + i % 3]) + "\n"
-        prompts.append(tokenizer.encode(text))
-    return prompts
 
 
 # A level's block is built from blocks of the level below, so lookaheads rise toward the top.

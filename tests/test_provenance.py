@@ -9,7 +9,7 @@ import pytest
 
 from cascade import Cascade, RequestError
 from cascade.stats import BlockOutcome, StepProvenance, cut_provenance
-from test_distribution import PROMPT, table_topology
+from draws import PROMPT, table_topology
 
 CHAIN = {"name": "fixed", "params": {"lookahead": 3}}  # tiny -> small -> medium -> large
 

@@ -21,8 +21,8 @@ from cascade.errors import TopologyError  # noqa: E402
 from cascade.serve import ray_serve  # noqa: E402
 from cascade.topology import load_topology  # noqa: E402
 from conftest import family_topology, write_topology  # noqa: E402
+from hf_util import reference_greedy  # noqa: E402
 from proc_util import stop  # noqa: E402
-from test_engine_hf import reference_greedy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -11,8 +11,8 @@ import pytest
 
 from cascade import Cascade
 from conftest import family_topology, write_topology
+from hf_util import prompts_from_text, reference_greedy
 from serve_util import ROOT, serve
-from test_engine_hf import prompts_from_text, reference_greedy
 
 TEMPLATE = ROOT / "examples" / "models" / "large" / "chat_template.jinja"
 LOOKAHEAD = {"ngram": 3, "tiny": 3, "small": 5, "medium": 7}

@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from conftest import write_topology
+from hf_util import reference_greedy
 from serve_util import serve
-from test_engine_hf import reference_greedy
 
 POISON = "# poison\n"
 CRASH = "# crash\n"

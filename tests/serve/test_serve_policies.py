@@ -11,8 +11,8 @@ import pytest
 
 from cascade import Cascade
 from cascade.serve.server import SPEC_POLICIES, Server
+from draws import SCALE, VOCAB, table_topology
 from table_worker import bigram_table
-from test_distribution import SCALE, VOCAB, table_topology
 
 NEW = 12
 
