@@ -152,8 +152,8 @@ def request_error(exc: Exception, prompt_field: str = "prompt") -> ApiError:
 def validation_error(exc: ValidationError) -> ApiError:
     """The first pydantic error, as a 400 whose ``param`` is the field's dotted path. Where a
     field takes one of several types, the message lists them instead of one member's failure."""
-    message = describe(exc, unions=True, unknown="unknown field (this server refuses fields it does not know)",
-                       bare=True)
+    message = describe(exc, unions=True, must=True, bare=True,
+                       unknown="unknown field (this server refuses fields it does not know)")
     return ApiError(400, message, error_path(exc, unions=True) or None)
 
 

@@ -230,6 +230,17 @@ def test_bad_completion_requests(server, body, status, param):
         assert error["message"].startswith(param), error["message"]
 
 
+@pytest.mark.parametrize("body,message", [
+    ({"prompt": "x", "temperature": -0.5}, "temperature: must be greater than or equal to 0 (got -0.5)"),
+    ('{"prompt": "x", "temperature": Infinity}', "temperature: must be a finite number (got inf)"),
+    ({"prompt": "x", "top_p": 0}, "top_p: must be greater than 0 (got 0)"),
+])
+def test_sampling_ranges_are_worded_as_the_api_words_them(server, body, message):
+    """The door checks the ranges declared once in cascade.sampling, in the API's wording."""
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["message"] == message
+
+
 CHAT_ERRORS = [
     ({"max_tokens": 4}, "messages"),
     ({"messages": []}, "messages"),
