@@ -27,6 +27,7 @@ _COMMAND_MODULES = (
     "cascade.train.distill",
     "cascade.train.record",
     "cascade.tools.pull",
+    "cascade.tools.cost_curve",
     "cascade.train.family_eval",
     "cascade.tools.run",
     "cascade.serve.cli",

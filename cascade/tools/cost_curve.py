@@ -1,0 +1,85 @@
+"""``cascade cost-curve``: what one forward pass of each level costs, by the number of new
+positions it scores, after a prefix — measured through the level's own worker (the pass a
+verification makes), so that drafters can be sized against the authority on *this* machine.
+
+Speculation pays when scoring a block costs little more than scoring one token (the weights are
+read once either way); how much more depends on the processor and the dtype (bf16 differs
+between a CPU with AMX and one without). Widths are measured interleaved, in a fresh random
+order each repeat, and reported as median (min–max) over the repeats, with torch's threads set
+and said.
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from cascade.cli import args as types
+from cascade.cli.args import DEFAULT_TOPOLOGY, guarded
+from cascade.tools.timing import DEFAULT_THREADS, Spread, busy_warning, threads_line, torch_threads
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("cost-curve", help="each level's forward-pass cost by the number of positions it scores",
+                       description=__doc__.split("\n\n")[0].replace("``", "'"))
+    p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY)
+    p.add_argument("--levels", nargs="*", default=None, help="levels to measure (default: every model level)")
+    p.add_argument("--positions", default="1,2,4,8,16,32", help="widths to score, comma-separated")
+    p.add_argument("--prefix", type=types.positive_int, default=200, help="tokens already in the cache")
+    p.add_argument("--repeats", type=types.positive_int, default=7)
+    p.add_argument("--threads", type=types.positive_int, default=DEFAULT_THREADS)
+    p.add_argument("--json", default=None, help="also write the figures here")
+    p.set_defaults(func=run)
+
+
+@guarded
+def run(args) -> int:
+    from cascade.api import Cascade
+
+    widths = [int(w) for w in args.positions.split(",") if w.strip()]
+    if not widths or min(widths) < 1:
+        print("cascade cost-curve: --positions must be integers >= 1", file=sys.stderr)
+        return 2
+    with torch_threads(args.threads) as threads, Cascade.from_topology(args.topology) as c:
+        levels = args.levels or [lv.name for lv in c.topology.spec.levels if lv.kind != "ngram"]
+        print(threads_line(threads))
+        result = {"topology": args.topology, "threads": threads, "prefix": args.prefix, "levels": {}}
+        for level in levels:
+            worker = c.workers[level]
+            times = measure(worker, widths, args.prefix, args.repeats)
+            spreads = {w: Spread.of([t * 1000 for t in ts]) for w, ts in times.items()}
+            dtype = c.topology.spec.level(level).dtype
+            print(f"{level} ({dtype}), ms by new positions: "
+                  + "  ".join(f"{w}: {s.format('.1f')}" for w, s in spreads.items()))
+            one = spreads[widths[0]].median
+            print(f"  cost relative to {widths[0]} position(s): "
+                  + "  ".join(f"{w}: {s.median / one:.2f}x" for w, s in spreads.items()))
+            result["levels"][level] = {"dtype": dtype, "ms": {w: s.to_dict() for w, s in spreads.items()}}
+            warning = busy_warning({f"{level} at {w}": s for w, s in spreads.items()})
+            if warning:
+                print(warning)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def measure(worker, widths: list[int], prefix: int, repeats: int) -> dict[int, list[float]]:
+    """Seconds of one ``score`` call over ``w`` new positions after ``prefix`` cached tokens, per
+    width, ``repeats`` times, the widths interleaved in a fresh random order each repeat."""
+    rng = random.Random(0)
+    vocab = worker.vocab_size
+    base = [rng.randrange(vocab) for _ in range(prefix)]
+    worker.score(["cost-curve"], [base], [1])  # warm-up and prefill
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(repeats):
+        for w in rng.sample(widths, len(widths)):
+            new = [rng.randrange(vocab) for _ in range(w)]
+            worker.score(["cost-curve"], [base], [1])  # the cache holds the prefix alone
+            started = time.perf_counter()
+            worker.score(["cost-curve"], [base + new], [w])
+            times[w].append(time.perf_counter() - started)
+    worker.release(["cost-curve"])
+    return times
+
