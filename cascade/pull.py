@@ -196,8 +196,7 @@ def convert_gguf(gguf: Path, out: Path, log: Callable[[str], None] = print) -> N
     except Exception as exc:  # noqa: BLE001 - any loader failure: name the file
         raise PullError(f"{gguf}: transformers cannot load it as a causal LM: {exc}") from None
     config = loaded.config
-    config.quantization_config = None  # what is saved is plain float32, not a GGUF reference
-    if hasattr(config, "quantization_config"):
+    if hasattr(config, "quantization_config"):  # what is saved is plain float32, not a GGUF reference
         del config.quantization_config
     config.dtype = torch.float32
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -394,7 +394,7 @@ def _check_tokenizer(topo: Topology) -> None:
 def _check_vocabularies(topo: Topology) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
-    from workers.draft_vocab import authority_vocab_size
+    from workers.draft_vocab import DraftVocab
 
     src = topo.source
     hf = [(i, lv) for i, lv in enumerate(topo.spec.levels) if lv.kind == "hf"]
@@ -416,7 +416,8 @@ def _check_vocabularies(topo: Topology) -> None:
             except Exception as exc:  # noqa: BLE001 - any loader failure is a topology problem
                 raise TopologyError(f"{src}: levels[{i}].model: cannot load its tokenizer: {exc}") from None
         try:
-            size = authority_vocab_size(path) or AutoConfig.from_pretrained(path, **kwargs).vocab_size
+            trimmed = DraftVocab.load(path) if Path(path).is_dir() else None  # a trimmed drafter declares it
+            size = trimmed.authority_vocab_size if trimmed else AutoConfig.from_pretrained(path, **kwargs).vocab_size
         except Exception as exc:  # noqa: BLE001
             raise TopologyError(f"{src}: levels[{i}].model: cannot read its config: {exc}") from None
         vocab_of[i] = (vocab, size)

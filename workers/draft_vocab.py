@@ -61,10 +61,6 @@ class DraftVocab:
         table = self._to_draft
         return [table[t] for t in token_ids]
 
-    def to_draft_tensor(self, token_ids: torch.Tensor) -> torch.Tensor:
-        table = torch.tensor(self._to_draft, dtype=torch.long)
-        return table[token_ids.long()]
-
     def to_authority_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[n, size]`` -> authority-width rows ``[n, authority_vocab_size]``,
         ``-inf`` outside the draft vocabulary (OTHER is never predicted)."""
@@ -72,10 +68,3 @@ class DraftVocab:
         rows[:, self.ids] = logits[:, :self.other]
         return rows
 
-
-def authority_vocab_size(model_dir: str | Path) -> int | None:
-    """The authority vocabulary a trimmed drafter's folder declares, or None (not trimmed)."""
-    path = Path(model_dir) / FILE
-    if not path.is_file():
-        return None
-    return int(json.loads(path.read_text())["authority_vocab_size"])

@@ -128,7 +128,7 @@ def record_batch(model, tok, index: int, args, snippets: list[str]) -> dict:
     users += _user_turns(model, tok, args.batch - n_code, args.user_tokens, temperature)
     prompts = [tok.apply_chat_template([{"role": "user", "content": u}], tokenize=False,
                                        add_generation_prompt=True) for u in users]
-    sequences = _answers(model, tok, prompts, args.answer_tokens, temperature)
+    sequences = _generate(model, tok, prompts, args.answer_tokens, temperature)
     ids, logprobs, lengths = _top_k(model, sequences, args.top_k)
     return {"tokens": torch.cat([torch.tensor(s, dtype=torch.int32) for s in sequences]),
             "lengths": torch.tensor(lengths, dtype=torch.int32),
@@ -176,21 +176,16 @@ def _user_turns(model, tok, n: int, max_new: int, temperature: float) -> list[st
     return texts
 
 
-def _answers(model, tok, prompts: list[str], max_new: int, temperature: float) -> list[list[int]]:
-    return _generate(model, tok, prompts, max_new, temperature)
-
-
-def _top_k(model, sequences: list[list[int]], k: int, rows_per_pass: int = 4):
+def _top_k(model, sequences: list[list[int]], k: int):
     """The model's top-k next-token log-probabilities (temperature 1) at every position but the
     last of each sequence, concatenated: ``[sum(len - 1), k]`` ids and log-probabilities."""
     import torch
 
     ids, logprobs = [], []
     with torch.inference_mode():
-        for start in range(0, len(sequences), rows_per_pass):
-            for seq in sequences[start:start + rows_per_pass]:
-                logits = model(torch.tensor([seq[:-1]])).logits[0].float()
-                top = torch.log_softmax(logits, -1).topk(k, dim=-1)
-                ids.append(top.indices.to(torch.int32))
-                logprobs.append(top.values.to(torch.float16))
+        for seq in sequences:  # one unpadded pass per sequence: no padding in the recorded rows
+            logits = model(torch.tensor([seq[:-1]])).logits[0].float()
+            top = torch.log_softmax(logits, -1).topk(k, dim=-1)
+            ids.append(top.indices.to(torch.int32))
+            logprobs.append(top.values.to(torch.float16))
     return torch.cat(ids), torch.cat(logprobs), [len(s) for s in sequences]
