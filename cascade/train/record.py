@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="the authority: a model folder or pulled:NAME")
     p.add_argument("--out", required=True, help="folder for the shards (resumed when it has some)")
     p.add_argument("--sequences", type=int, default=4096, help="total sequences to have recorded")
-    p.add_argument("--batch", type=int, default=16, help="sequences generated together (one shard)")
+    p.add_argument("--batch", type=int, default=48, help="sequences generated together (one shard)")
     p.add_argument("--code-share", type=float, default=0.3, help="share of sequences about corpus code")
     p.add_argument("--corpus", default="manifest:examples/models/CORPUS.tsv",
                    help="where code snippets come from (a corpus spec of cascade distill)")
@@ -176,16 +176,27 @@ def _user_turns(model, tok, n: int, max_new: int, temperature: float) -> list[st
     return texts
 
 
-def _top_k(model, sequences: list[list[int]], k: int):
+def _top_k(model, sequences: list[list[int]], k: int, chunk: int = 8):
     """The model's top-k next-token log-probabilities (temperature 1) at every position but the
-    last of each sequence, concatenated: ``[sum(len - 1), k]`` ids and log-probabilities."""
+    last of each sequence, concatenated: ``[sum(len - 1), k]`` ids and log-probabilities.
+
+    Sequences go through in right-padded chunks (padding after a row changes nothing before it
+    under the causal mask); only each row's real positions are kept."""
     import torch
 
     ids, logprobs = [], []
     with torch.inference_mode():
-        for seq in sequences:  # one unpadded pass per sequence: no padding in the recorded rows
-            logits = model(torch.tensor([seq[:-1]])).logits[0].float()
-            top = torch.log_softmax(logits, -1).topk(k, dim=-1)
-            ids.append(top.indices.to(torch.int32))
-            logprobs.append(top.values.to(torch.float16))
+        for start in range(0, len(sequences), chunk):
+            part = [s[:-1] for s in sequences[start:start + chunk]]
+            width = max(len(s) for s in part)
+            batch = torch.zeros(len(part), width, dtype=torch.long)
+            mask = torch.zeros(len(part), width, dtype=torch.long)
+            for r, s in enumerate(part):
+                batch[r, :len(s)] = torch.tensor(s)
+                mask[r, :len(s)] = 1
+            logits = model(input_ids=batch, attention_mask=mask).logits
+            for r, s in enumerate(part):
+                top = torch.log_softmax(logits[r, :len(s)].float(), -1).topk(k, dim=-1)
+                ids.append(top.indices.to(torch.int32))
+                logprobs.append(top.values.to(torch.float16))
     return torch.cat(ids), torch.cat(logprobs), [len(s) for s in sequences]
