@@ -284,6 +284,7 @@ def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, o
     try:
         samples = _timed_runs(configs, samplings, ids, max_new_tokens, repeats, seed, progress,
                               _PassCounter(workers[topo.authority].model))
+        divergences = _greedy_divergences(samples, ids, workers[topo.authority].model, tokenizer.eos_token_id)
         if exactness_draws:
             for sampling in samplings:
                 if not sampling.greedy:
@@ -297,6 +298,7 @@ def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, o
                for r in summarize(configs, samples, len(ids), mode_label(sampling), repeats)]
     for r in reports:
         r.distribution = checks.get((r.mode, r.name))
+        r.near_ties = sorted(i for i in r.mismatches if all(d.near_tie for d in divergences.get((r.name, i), [])))
     if out is not None:
         write_report(Path(out), reports, samples, dict(
             topology=topology, prompts=len(prompts), max_new_tokens=max_new_tokens, repeats=repeats,
@@ -304,6 +306,23 @@ def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, o
             samplings=[s.model_dump() for s in samplings], exactness_draws=exactness_draws,
             exactness_tokens=exactness_tokens, threads=threads))
     return reports, samples
+
+
+def _greedy_divergences(samples: list[Sample], ids: list[list[int]], model, eos) -> dict:
+    """(configuration, prompt) -> the greedy divergences from plain decoding over the repeats
+    (:func:`cascade.tools.exactness.greedy_divergence`): where a low-precision authority's
+    rounding flipped a near-tie, and where something else did."""
+    from cascade.tools.exactness import greedy_divergence
+
+    greedy = [s for s in samples if s.mode == "greedy"]
+    plain = {(s.prompt, s.repeat): s.token_ids for s in greedy if s.config == "plain"}
+    found: dict[tuple[str, int], list] = {}
+    for s in greedy:
+        ref = plain.get((s.prompt, s.repeat))
+        if s.config != "plain" and ref is not None and s.token_ids != ref:
+            found.setdefault((s.config, s.prompt), []).append(
+                greedy_divergence(model, ids[s.prompt], s.token_ids, ref, eos))
+    return found
 
 
 def _load(topology: str):

@@ -101,7 +101,11 @@ def _exactness_cell(r: ConfigReport) -> str:
     if r.name == "plain":
         return "baseline"
     if r.mode == "greedy":
-        return "identical" if not r.mismatches else f"**DIFFERS** (prompts {r.mismatches})"
+        if not r.mismatches:
+            return "identical"
+        real = [i for i in r.mismatches if i not in r.near_ties]
+        ties = f"near-tie rounding on prompts {r.near_ties}" if r.near_ties else ""
+        return f"**DIFFERS** (prompts {real}){'; ' + ties if ties else ''}" if real else ties
     if r.distribution is None:
         return "not checked" + (" (transformers' own sampler)" if r.name.startswith("hf-") else "")
     p = f"{r.distribution.p_value:.2g}"

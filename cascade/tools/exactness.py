@@ -158,3 +158,57 @@ def uncertain_prefix(model, prompts_ids: Sequence[Sequence[int]], sampling, shor
                 if float(score[j]) > best_score:
                     best, best_score = (i, j + 1), float(score[j])
     return best
+
+
+# -- greedy identity and low-precision arithmetic (cascade/DESIGN.md §2, "Numerics") ---------------
+
+# A bf16 or float16 model's logits depend, by rounding, on how many positions a pass scores: on
+# the development CPU up to 0.25-0.75 of a logit for SmolLM2-135M-Instruct (docs/real-model.md).
+# A greedy divergence whose two tokens are this close is a near-tie that rounding can flip; a
+# wrong acceptance rule shows as a divergence far outside it.
+NEAR_TIE_LOGITS = 1.0
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a greedy output first differs from plain greedy decoding, and how close the two
+    tokens there are in the model's own logits (the shared prefix scored in one pass)."""
+    position: int
+    ours: int
+    theirs: int
+    gap: float  # |logit(ours) - logit(theirs)|
+    low_precision: bool  # the model computes in bf16 or float16
+
+    @property
+    def near_tie(self) -> bool:
+        """Within what low-precision rounding can flip; never for a float32 or float64 model."""
+        return self.low_precision and self.gap <= NEAR_TIE_LOGITS
+
+    def describe(self) -> str:
+        kind = "a near-tie (bf16/fp16 rounding)" if self.near_tie else "NOT a near-tie"
+        return (f"first differs at generated token {self.position} ({self.ours} against plain decoding's "
+                f"{self.theirs}; logit gap {self.gap:.3f}: {kind})")
+
+
+def greedy_divergence(model, prompt_ids: Sequence[int], ours: Sequence[int], theirs: Sequence[int],
+                      eos: int | None = None) -> Divergence | None:
+    """Compare two greedy continuations of ``prompt_ids``; None if they are the same. A
+    continuation that ended before the other counts as having emitted ``eos`` there."""
+    import torch
+
+    ours, theirs = list(ours), list(theirs)
+    k = 0
+    while k < len(ours) and k < len(theirs) and ours[k] == theirs[k]:
+        k += 1
+    if k == len(ours) == len(theirs):
+        return None
+    a = ours[k] if k < len(ours) else eos
+    b = theirs[k] if k < len(theirs) else eos
+    param = next(model.parameters())
+    low = param.dtype in (torch.bfloat16, torch.float16)
+    if a is None or b is None:  # one stopped where the other did not, and the stop token is unknown
+        return Divergence(k, -1 if a is None else a, -1 if b is None else b, float("inf"), low)
+    with torch.inference_mode():
+        ids = torch.tensor([list(prompt_ids) + theirs[:k]], device=param.device)
+        logits = model(ids).logits[0, -1].float()
+    return Divergence(k, a, b, abs(float(logits[a] - logits[b])), low)
