@@ -16,9 +16,30 @@ import argparse
 import math
 import re
 import sys
+from pathlib import Path
 from typing import Callable, NoReturn
 
-DEFAULT_TOPOLOGY = "topologies/4level.yaml"
+DEFAULT_TOPOLOGY = "topologies/4level.yaml"  # the bundled family: always here, fast, what the tests use
+REAL_TOPOLOGY = "topologies/smollm2.yaml"  # SmolLM2-135M-Instruct and its drafters, once pulled
+REAL_MODEL = "smollm2-135m-instruct"
+MAIN_TOPOLOGY_HELP = (f"topology file (default: {REAL_TOPOLOGY} when its model is in the cache - "
+                      f"cascade pull {REAL_MODEL} - else {DEFAULT_TOPOLOGY})")
+
+
+def main_topology(say: Callable[[str], None] | None = None) -> str:
+    """The topology the main commands (``demo``, ``serve``, ``run``) use when none is named: the
+    real model's once ``cascade pull`` has put it in the cache (and the repository's drafters are
+    beside the topology), else the bundled family's, saying how to get the real one."""
+    from cascade.pull import MANIFEST, cache_dir
+
+    real = Path(REAL_TOPOLOGY)
+    if real.is_file() and (cache_dir(REAL_MODEL) / MANIFEST).is_file() and \
+            (real.parent / "../examples/models/smollm2/draft-s/config.json").is_file():
+        return REAL_TOPOLOGY
+    if say is not None:
+        say(f"using the bundled family ({DEFAULT_TOPOLOGY}): tiny models whose text is noise. For the real "
+            f"model, SmolLM2-135M-Instruct with its drafters: cascade pull {REAL_MODEL}")
+    return DEFAULT_TOPOLOGY
 
 
 class Parser(argparse.ArgumentParser):
@@ -126,7 +147,7 @@ def add_sampling_args(p: argparse.ArgumentParser, default_temperature: float = 0
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY, help=f"topology file (default {DEFAULT_TOPOLOGY})")
+    p.add_argument("--topology", "-t", default=None, help=MAIN_TOPOLOGY_HELP)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=temperature, default=None, help="0 = greedy (default: the topology's)")
     p.add_argument("--top-k", type=nonnegative_int, default=None, help="0 = off")

@@ -1,10 +1,11 @@
 """``cascade serve``: the OpenAI-compatible server, embedded (FastAPI + uvicorn, one process)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from cascade.cli import args as types
-from cascade.cli.args import DEFAULT_TOPOLOGY, guarded
+from cascade.cli.args import MAIN_TOPOLOGY_HELP, guarded, main_topology
 from cascade.serve.protocol import MAX_BODY_BYTES
 from policies import REGISTRY
 
@@ -13,7 +14,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the topology over an OpenAI-compatible HTTP API",
                        description="Serve POST /v1/completions, POST /v1/chat/completions, GET /v1/models, "
                                    "GET /health and GET /metrics with one continuously batched cascade.")
-    p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY, help=f"topology file (default {DEFAULT_TOPOLOGY})")
+    p.add_argument("--topology", "-t", default=None, help=MAIN_TOPOLOGY_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=types._integer(1, 65536), default=8000, help="port (default 8000)")
     p.add_argument("--max-num-seqs", type=types.positive_int, default=16,
@@ -70,6 +71,7 @@ def serve(args) -> int:
     from cascade.serve.app import build_app
     from cascade.serve.server import Server
 
+    args.topology = args.topology or main_topology(lambda line: print(line, file=sys.stderr))
     template = None
     if args.chat_template:
         try:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from cascade.cli import args as types
-from cascade.cli.args import add_generation_args, guarded
+from cascade.cli.args import add_generation_args, guarded, main_topology
 
 
 def add_parser(sub) -> None:
@@ -92,6 +92,7 @@ def _generate_all(args, todo: list[tuple[int, int, str]], out_path: Path, total:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, stop=args.stop, coupling=args.coupling)
     tokens = failed = 0
+    args.topology = args.topology or main_topology(lambda line: print(line, file=sys.stderr))
     with Cascade.from_topology(args.topology, policy=policy, device=args.device, backend=args.backend,
                                address=args.address) as c:
         for i, line, prompt in todo:
