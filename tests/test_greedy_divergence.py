@@ -45,3 +45,44 @@ def test_an_early_end_counts_as_the_stop_token(model):
     assert (d.position, d.ours, d.theirs) == (1, 0, 6)
     unknown = greedy_divergence(model, [1, 2], [5], [5, 6], eos=None)
     assert unknown.gap == float("inf") and not unknown.near_tie
+
+
+def _bf16_cascade_divergences(family, tokenizer, tmp_path):
+    """Greedy ``small -> large`` with every level in bf16 against plain bf16 decoding of
+    ``large``: the divergences of six prompts (None where identical)."""
+    from cascade import Cascade
+    from conftest import family_topology, write_topology
+    from hf_util import prompts_from_text
+
+    data = family_topology(family, ["small", "large"], policy={"name": "fixed", "params": {"lookahead": {"small": 5}}})
+    for level in data["levels"]:
+        level["dtype"] = "bfloat16"
+    large = AutoModelForCausalLM.from_pretrained(family / "large", dtype=torch.bfloat16).eval()
+    found = []
+    with Cascade.from_topology(write_topology(tmp_path / "bf16.yaml", data)) as c:
+        for prompt in prompts_from_text(tokenizer, 6):
+            got = c.generate(prompt, max_new_tokens=32, temperature=0.0).token_ids
+            with torch.inference_mode():
+                want = large.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+            found.append(greedy_divergence(large, prompt, got, want[:len(got)]))  # the cascade stops at EOS
+    return found
+
+
+def test_a_bf16_authority_diverges_only_at_near_ties(family, tokenizer, tmp_path):
+    found = _bf16_cascade_divergences(family, tokenizer, tmp_path)
+    assert all(d is None or d.near_tie for d in found), [d.describe() for d in found if d]
+
+
+def test_an_inexact_rule_is_caught_under_a_bf16_authority(family, tokenizer, tmp_path, monkeypatch):
+    """The negative control: the near-tie allowance does not hide a wrong acceptance rule (here:
+    every draft accepted)."""
+    import cascade.engine as engine
+    from cascade.verify import Verdict
+
+    def accept_all(sampling, tokens, draft_probs, target_probs, draws):
+        return Verdict(len(tokens), int(target_probs[len(tokens)].argmax()), True)
+
+    monkeypatch.setattr(engine, "_verdict", accept_all)
+    found = _bf16_cascade_divergences(family, tokenizer, tmp_path)
+    assert any(d is not None and not d.near_tie for d in found)
