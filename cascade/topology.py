@@ -53,8 +53,9 @@ class LevelSpec(BaseModel):
     gguf_file: str | None = Field(
         None, description="A GGUF file inside 'model' (a folder) to load and dequantize, as "
         "transformers' from_pretrained(gguf_file=) does; hf only.")
-    dtype: Literal["float32", "float16", "bfloat16", "float64", "auto"] = Field(
-        "float32", description="Weights and activations dtype."
+    dtype: Literal["float32", "float16", "bfloat16", "float64", "auto", "fastest"] = Field(
+        "float32", description="Weights and activations dtype; auto: the checkpoint's; fastest: bfloat16 "
+                               "where the device computes it natively (CUDA, AVX-512 BF16, AMX), else float32."
     )
     device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto, cpu or cuda:N.")
     trust_remote_code: bool = Field(False, description="Allow the model repo's own code (hf only).")

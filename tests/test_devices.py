@@ -43,3 +43,33 @@ def test_a_device_index_past_the_last_is_unavailable():
     assert resolve_device(past) == torch.device("cpu")
     with pytest.raises(ValueError, match="not available"):
         resolve_device(past, fallback=False)
+
+
+def test_fastest_dtype_is_bf16_only_where_the_cpu_computes_it(monkeypatch, tmp_path):
+    import builtins
+
+    from workers import devices
+
+    cpu = torch.device("cpu")
+    real_open = builtins.open
+    for flags, want in (("fpu avx2 fma", torch.float32), ("avx512f avx512_bf16", torch.bfloat16),
+                        ("amx_bf16 amx_tile", torch.bfloat16)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"flags\t\t: {flags}\n")
+        monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k))
+        assert devices.resolve_dtype("fastest", cpu) == want, flags
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert devices.resolve_dtype("auto", cpu) == "auto"
+    assert devices.resolve_dtype("float64", cpu) == torch.float64
+
+
+def test_a_topology_level_may_ask_for_the_fastest_dtype(family, tmp_path):
+    from cascade import Cascade
+    from conftest import family_topology, write_topology
+    from workers.devices import native_bf16
+
+    data = family_topology(family, ["large"])
+    data["levels"][0]["dtype"] = "fastest"
+    with Cascade.from_topology(write_topology(tmp_path / "t.yaml", data)) as c:
+        dtype = next(c.workers["large"].model.parameters()).dtype
+    assert dtype == (torch.bfloat16 if native_bf16(torch.device("cpu")) else torch.float32)

@@ -229,13 +229,9 @@ def use_amp(name: str, device) -> bool:
         return False
     if name == "bf16":
         return True
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    from workers.devices import native_bf16
+
+    return native_bf16(device)
 
 
 def _setup_torch(args):

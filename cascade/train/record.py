@@ -7,9 +7,9 @@ the user turn asks about a snippet of Python from the training corpus (never the
 packages), and the authority answers. Batches cycle through sampling temperatures (1.0, 0.7 and
 greedy), so the drafters see the text that sampled and greedy decoding produce.
 
-After a batch is written, one forward pass of the authority over the whole sequences records, at
-every position, the top-k of its next-token log-probabilities at temperature 1 — the
-distillation needs no teacher pass of its own. Shards (``shard-NNNNN.pt``, one batch each) are a
+At every position the top-k of the authority's next-token log-probabilities at temperature 1 is
+recorded: for the answers from the very passes that wrote them, for the prompts from one pass
+over them — the distillation needs no teacher pass of its own. Shards (``shard-NNNNN.pt``, one batch each) are a
 pure function of ``--seed`` and the shard index, so an interrupted run resumes where it stopped
 and a finished one can be extended with a larger ``--sequences``.
 """
@@ -46,7 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--user-tokens", type=int, default=64, help="longest user turn the authority writes")
     p.add_argument("--answer-tokens", type=int, default=256, help="longest answer")
     p.add_argument("--top-k", type=int, default=16, help="log-probabilities kept per position")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="fastest", choices=("fastest", "float32", "bfloat16"),
+                   help="the authority's dtype (fastest: bfloat16 where the CPU computes it natively, else float32)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_run)
@@ -62,7 +63,7 @@ def _run(args) -> int:
     snippets = _snippets(args.corpus, args.seed) if args.code_share > 0 else []
     meta_path = out / "record.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {
-        "model": args.model, "dtype": args.dtype, "top_k": args.top_k, "batch": args.batch,
+        "model": args.model, "dtype": str(model.dtype).replace("torch.", ""), "top_k": args.top_k, "batch": args.batch,
         "code_share": args.code_share, "corpus": args.corpus, "seed": args.seed,
         "user_tokens": args.user_tokens, "answer_tokens": args.answer_tokens,
         "temperatures": TEMPERATURES, "torch": torch.__version__, "shards": {}}
@@ -94,7 +95,9 @@ def _load(ref: str, dtype: str):
     from cascade.pull import PULLED, resolve_pulled
 
     path = str(resolve_pulled(ref)) if ref.startswith(PULLED) else ref
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    from workers.devices import resolve_dtype
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, torch.device("cpu"))).eval()
     tok = AutoTokenizer.from_pretrained(path)
     return model, tok
 
@@ -128,10 +131,13 @@ def record_batch(model, tok, index: int, args, snippets: list[str]) -> dict:
     users += _user_turns(model, tok, args.batch - n_code, args.user_tokens, temperature)
     prompts = [tok.apply_chat_template([{"role": "user", "content": u}], tokenize=False,
                                        add_generation_prompt=True) for u in users]
-    sequences = _generate(model, tok, prompts, args.answer_tokens, temperature)
-    ids, logprobs, lengths = _top_k(model, sequences, args.top_k)
+    sequences, answers = _generate(model, tok, prompts, args.answer_tokens, temperature, args.top_k)
+    # the prompts' rows from one pass over them; the answers' from the generation's own passes
+    heads = _top_k(model, [s[:len(s) - len(a[0])] for s, a in zip(sequences, answers)], args.top_k)
+    ids = torch.cat([x for (h, _), (a, _) in zip(heads, answers) for x in (h, a)])
+    logprobs = torch.cat([x for (_, h), (_, a) in zip(heads, answers) for x in (h, a)])
     return {"tokens": torch.cat([torch.tensor(s, dtype=torch.int32) for s in sequences]),
-            "lengths": torch.tensor(lengths, dtype=torch.int32),
+            "lengths": torch.tensor([len(s) for s in sequences], dtype=torch.int32),
             "kinds": ["code"] * n_code + ["chat"] * (args.batch - n_code),
             "topk_ids": ids, "topk_logprobs": logprobs, "temperature": temperature}
 
@@ -142,25 +148,43 @@ def _sample_kwargs(temperature: float) -> dict:
     return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
 
 
-def _generate(model, tok, prompts: list[str], max_new: int, temperature: float) -> list[list[int]]:
-    """Each prompt's tokens followed by what the model wrote (cut after its end of turn)."""
+def _generate(model, tok, prompts: list[str], max_new: int, temperature: float, top_k: int = 0):
+    """Each prompt's tokens followed by what the model wrote (cut after its end of turn), and,
+    with ``top_k``, the top-k log-probabilities (temperature 1) each written token was drawn
+    under: ``(ids [new, k], logprobs [new, k])`` per prompt, taken from the generation's own
+    passes (a hook on the output head, which ``generate`` runs on the last position only), so the
+    answers need no second pass."""
     import torch
 
     tok.padding_side = "left"
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    with torch.inference_mode():
-        out = model.generate(**enc, max_new_tokens=max_new, eos_token_id=end, pad_token_id=end,
-                             **_sample_kwargs(temperature))
+    steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep(module, inputs, output):
+        top = torch.log_softmax(output[:, -1].float(), -1).topk(top_k, dim=-1)
+        steps.append((top.indices.to(torch.int32), top.values.to(torch.float16)))
+
+    hook = model.get_output_embeddings().register_forward_hook(keep) if top_k else None
+    try:
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=max_new, eos_token_id=end, pad_token_id=end,
+                                 **_sample_kwargs(temperature))
+    finally:
+        if hook is not None:
+            hook.remove()
     width = enc["input_ids"].shape[1]
-    rows = []
+    rows, tops = [], []
     for r in range(len(prompts)):
         prompt = enc["input_ids"][r][enc["attention_mask"][r].bool()].tolist()
         new = out[r, width:].tolist()
         if end in new:
             new = new[:new.index(end) + 1]
         rows.append(prompt + new)
-    return rows
+        if top_k:
+            tops.append((torch.stack([steps[t][0][r] for t in range(len(new))]),
+                         torch.stack([steps[t][1][r] for t in range(len(new))])))
+    return (rows, tops) if top_k else rows
 
 
 def _user_turns(model, tok, n: int, max_new: int, temperature: float) -> list[str]:
@@ -178,13 +202,13 @@ def _user_turns(model, tok, n: int, max_new: int, temperature: float) -> list[st
 
 def _top_k(model, sequences: list[list[int]], k: int, chunk: int = 8):
     """The model's top-k next-token log-probabilities (temperature 1) at every position but the
-    last of each sequence, concatenated: ``[sum(len - 1), k]`` ids and log-probabilities.
+    last of each sequence: per sequence, ``[len - 1, k]`` ids and log-probabilities.
 
     Sequences go through in right-padded chunks (padding after a row changes nothing before it
     under the causal mask); only each row's real positions are kept."""
     import torch
 
-    ids, logprobs = [], []
+    out = []
     with torch.inference_mode():
         for start in range(0, len(sequences), chunk):
             part = [s[:-1] for s in sequences[start:start + chunk]]
@@ -197,6 +221,5 @@ def _top_k(model, sequences: list[list[int]], k: int, chunk: int = 8):
             logits = model(input_ids=batch, attention_mask=mask).logits
             for r, s in enumerate(part):
                 top = torch.log_softmax(logits[r, :len(s)].float(), -1).topk(k, dim=-1)
-                ids.append(top.indices.to(torch.int32))
-                logprobs.append(top.values.to(torch.float16))
-    return torch.cat(ids), torch.cat(logprobs), [len(s) for s in sequences]
+                out.append((top.indices.to(torch.int32), top.values.to(torch.float16)))
+    return out

@@ -36,7 +36,7 @@ esac
 if running; then echo "already running; $0 status"; exit 0; fi
 python -c 'import sys; from cascade.cli import main; sys.exit(main())' pull smollm2-135m-instruct
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-nohup nice -n 10 python -c 'import sys; from cascade.cli import main; sys.exit(main())' \
+nohup nice -n 5 python -c 'import sys; from cascade.cli import main; sys.exit(main())' \
   record --model pulled:smollm2-135m-instruct --out "$WORK/record" --sequences "$SEQUENCES" --batch 48 \
   >>"$WORK/record.log" 2>&1 &
 echo "started (pid $!); $0 status"
