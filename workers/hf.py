@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from workers.base import DTYPES, Worker, common_prefix
-from workers.devices import resolve_device
+from workers.devices import resolve_device, resolve_dtype
 from workers.draft_vocab import DraftVocab
 from workers.lean import lean_forward
 from workers.pool import Pool, poolable
@@ -42,7 +42,7 @@ class HFWorker(Worker):
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(device)
-        torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
+        torch_dtype = resolve_dtype(dtype, self.device)  # "fastest": bf16 where native
         # A GGUF file is dequantized by transformers into a plain model of this dtype.
         source = {"gguf_file": gguf_file} if gguf_file else {"use_safetensors": True}
         self.model = AutoModelForCausalLM.from_pretrained(
