@@ -51,7 +51,8 @@ class Draft:
 
 
 class Worker(abc.ABC):
-    """One level's model host. Subclasses implement :meth:`score`; drafting is built on it.
+    """One level's model host. Subclasses implement :meth:`score`; drafting and scoring a tree
+    of candidates (:meth:`score_tree`) are built on it.
 
     ``vocab_size`` is the width of the rows :meth:`score` returns.
     ``forward_passes_per_draft_token`` says what a drafted token costs in forward passes.
@@ -81,11 +82,53 @@ class Worker(abc.ABC):
 
         What the engine verifies with. A remote backend overrides it to warp next to the model
         and ship only the nonzero entries (a greedy row is one entry, not ``vocab``)."""
-        logits = self.score(seq_ids, token_ids, num_positions)
-        if len(logits) == 1:
-            return [sampling.probs(logits[0])]
-        # One warp for all rows: the warping is row-wise, so each row is what it would be alone.
-        return list(sampling.probs(torch.cat(logits)).split([x.shape[0] for x in logits]))
+        return _warp(self.score(seq_ids, token_ids, num_positions), sampling)
+
+    def score_tree(
+        self,
+        seq_ids: Sequence[str],
+        token_ids: Sequence[Sequence[int]],
+        trees: Sequence[tuple[Sequence[int], Sequence[int]]],
+    ) -> list[torch.Tensor]:
+        """Logits ``[n_b + 1, vocab]`` for a tree of candidate tokens after each sequence.
+
+        ``token_ids[b]`` is the committed sequence (as :meth:`score` takes it) and ``trees[b]``
+        is ``(tokens, parents)``: node ``i`` holds ``tokens[i]`` below node ``parents[i]``, or
+        below the root (the position after the sequence) where it is -1; parents come before
+        their children (:mod:`workers.trees`). Row 0 predicts the token after the sequence,
+        row ``1 + i`` the token after the root-to-node-``i`` path.
+
+        This generic version scores each root-to-leaf path as a chain with :meth:`score` (one
+        call per leaf, all sequences' ``j``-th leaves together); a worker that can score the
+        whole tree in one pass overrides it. A worker's state afterwards is what the last path
+        left, reconciled by the next call like any rolled-back block."""
+        from workers.trees import as_tree, leaf_paths
+
+        trees = [as_tree(t) for t in trees]
+        paths = [leaf_paths(parents) for _, parents in trees]
+        out: list[torch.Tensor | None] = [None] * len(seq_ids)
+        for j in range(max((len(p) for p in paths), default=0)):
+            batch = [b for b in range(len(seq_ids)) if j < len(paths[b])]
+            logits = self.score(
+                [seq_ids[b] for b in batch],
+                [list(token_ids[b]) + [trees[b][0][i] for i in paths[b][j]] for b in batch],
+                [len(paths[b][j]) + 1 for b in batch],
+            )
+            for b, rows in zip(batch, logits):
+                if out[b] is None:
+                    out[b] = rows.new_empty((len(trees[b][0]) + 1, rows.shape[-1]))
+                out[b][[0] + [1 + i for i in paths[b][j]]] = rows
+        return out  # type: ignore[return-value]
+
+    def score_tree_probs(
+        self,
+        seq_ids: Sequence[str],
+        token_ids: Sequence[Sequence[int]],
+        trees: Sequence[tuple[Sequence[int], Sequence[int]]],
+        sampling: Sampling,
+    ) -> list[torch.Tensor]:
+        """:meth:`score_tree`, turned into the level's sampling distribution ``[n_b + 1, vocab]``."""
+        return _warp(self.score_tree(seq_ids, token_ids, trees), sampling)
 
     def draft(
         self,
@@ -153,3 +196,11 @@ class Worker(abc.ABC):
 
     def close(self) -> None:
         """Free resources (models, caches)."""
+
+
+def _warp(logits: list[torch.Tensor], sampling: Sampling) -> list[torch.Tensor]:
+    """Each sequence's logits rows as sampling distributions."""
+    if len(logits) == 1:
+        return [sampling.probs(logits[0])]
+    # One warp for all rows: the warping is row-wise, so each row is what it would be alone.
+    return list(sampling.probs(torch.cat(logits)).split([x.shape[0] for x in logits]))

@@ -8,6 +8,11 @@ The sequences a worker scores live as rows of one persistent batched cache, the 
 validity mask). A solo sequence keeps a DynamicCache of its own until it is batched, and a
 model whose cache layout the pool does not handle keeps one per sequence
 (:meth:`HFWorker._score_batch`).
+
+A tree of candidate tokens (:meth:`HFWorker.score_tree`) is scored in one forward pass on all
+three: its nodes are fed after the prefix's uncached tail with a tree attention mask and
+per-node position ids, and stay in the cache until the next call keeps the path that call's
+sequence took and drops the rest (:mod:`workers.trees`).
 """
 from __future__ import annotations
 
@@ -19,14 +24,17 @@ import torch
 from workers.base import DTYPES, Worker, common_prefix
 from workers.devices import resolve_device, resolve_dtype
 from workers.draft_vocab import DraftVocab
-from workers.lean import lean_forward
+from workers.lean import attention_mask, lean_forward
 from workers.pool import Pool, poolable
+from workers.trees import Pending, accepted_path, as_tree, depths, window_mask
 
 
 @dataclass
 class _SeqCache:
     cache: object  # transformers DynamicCache
     tokens: list[int] = field(default_factory=list)  # the tokens whose keys/values it holds
+    # a scored tree whose nodes follow ``tokens`` in the cache, until the next call settles it
+    tree: Pending | None = None
 
 
 class HFWorker(Worker):
@@ -67,6 +75,7 @@ class HFWorker(Worker):
         self._pool: Pool | bool | None = None  # None: not decided yet; False: per-sequence caches
         # transformers' forward minus its per-call plumbing, where the model is one it knows
         self.lean = lean_forward(self.model) if lean else None
+        self._trees: str | None | bool = False  # how trees are masked (see _tree_support); False: not decided
 
     @classmethod
     def from_model(cls, model, device: str | None = None, lean: bool = True,
@@ -78,20 +87,53 @@ class HFWorker(Worker):
         self._setup(lean, draft_vocab)
         return self
 
-    def _logits(self, input_ids, position_ids, cache, valid, keep: int) -> torch.Tensor:
+    def _logits(self, input_ids, position_ids, cache, valid, keep: int, among=None) -> torch.Tensor:
         """One forward pass writing into ``cache`` (a transformers Cache, or a list of cache
         layers): logits ``[rows, keep, vocab]`` of the last ``keep`` positions. ``valid``
         ``[rows, columns]`` says which cached columns (the new ones included) each row attends
-        to; None: all of them (see :func:`workers.lean.lean_forward`)."""
+        to; None: all of them. ``among`` ``[rows, width, width]``: which new positions each new
+        one sees (a tree); None: causal (see :func:`workers.lean.lean_forward`)."""
         from transformers.cache_utils import Cache
 
         if self.lean is not None:
             return self.lean(input_ids, position_ids, cache.layers if isinstance(cache, Cache) else cache,
-                             valid, keep)
+                             valid, keep, among)
         if not isinstance(cache, Cache):
             cache = Cache(layers=cache)
+        if among is not None:
+            valid = self._tree_attention(valid, among, cache.get_seq_length() + input_ids.shape[1])
         return self.model(input_ids=input_ids, attention_mask=valid, position_ids=position_ids,
                           cache=cache, use_cache=True, logits_to_keep=keep).logits
+
+    def _tree_support(self) -> str | None:
+        """How this model takes a tree's attention mask in one pass: ``"bool"`` or ``"float"``
+        (the 4D mask transformers' forward gets; the lean forward builds its own), or None:
+        trees are scored path by path (:meth:`Worker.score_tree`).
+
+        One pass needs a cache of plain full-attention layers (a sliding-window layer would
+        evict prefix columns for the tree's rejected nodes; a recurrent one cannot branch), and
+        a forward that uses a ready 4D mask as it is: transformers 5's ``create_causal_mask``
+        returns a 4D mask untouched, so a model whose module builds its mask with it and runs
+        SDPA (boolean mask) or eager attention (additive mask) qualifies."""
+        if self._trees is False:
+            import sys
+
+            from transformers import masking_utils
+
+            module = sys.modules.get(type(self.model).__module__)
+            kind = {"sdpa": "bool", "eager": "float"}.get(getattr(self.model.config, "_attn_implementation", None))
+            uses_mask = getattr(module, "create_causal_mask", None) is masking_utils.create_causal_mask
+            self._trees = kind if kind and uses_mask and poolable(self.model) else None
+        return self._trees
+
+    def _tree_attention(self, valid, among: torch.Tensor, columns: int) -> torch.Tensor:
+        """The 4D attention mask ``[rows, 1, width, columns]`` for transformers' forward of a pass
+        with a tree (``among``: see :meth:`_logits`), in the form the model's attention takes."""
+        mask = attention_mask(valid, among.shape[-1], columns, among.device, among)
+        if self._tree_support() == "float":
+            dtype = self.model.dtype
+            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+        return mask
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -112,10 +154,43 @@ class HFWorker(Worker):
         rows = self._score(seq_ids, [vocab.to_draft(t) for t in token_ids], num_positions)
         return [vocab.to_authority_rows(r) for r in rows]
 
-    def _score(self, seq_ids, token_ids, num_positions) -> list[torch.Tensor]:
+    @torch.inference_mode()
+    def score_tree(self, seq_ids, token_ids, trees) -> list[torch.Tensor]:
+        """:meth:`Worker.score_tree <workers.base.Worker.score_tree>` in one forward pass for all
+        trees (models :meth:`_tree_support` accepts; others score path by path)."""
+        trees = [as_tree(t) for t in trees]
+        if self._tree_support() is None:
+            return super().score_tree(seq_ids, token_ids, trees)
+        vocab = self.draft_vocab
+        if vocab is None:
+            return self._score_tree(seq_ids, token_ids, trees)
+        # Draft ids in: two siblings outside the draft vocabulary are one input (OTHER), twice.
+        rows = self._score_tree(seq_ids, [vocab.to_draft(t) for t in token_ids],
+                                [(vocab.to_draft(tokens), parents) for tokens, parents in trees])
+        return [vocab.to_authority_rows(r) for r in rows]
+
+    def _score_tree(self, seq_ids, token_ids, trees) -> list[torch.Tensor]:
+        if not any(tokens for tokens, _ in trees):  # no candidates: the root row, as score gives it
+            return self._score(seq_ids, token_ids, [1] * len(seq_ids))
+        self._decide_pool()
+        if self._pool is False:
+            if len(seq_ids) == 1:
+                return [self._score_tree_one(seq_ids[0], list(token_ids[0]), trees[0])]
+            return self._score_batch(seq_ids, token_ids, [1] * len(seq_ids), trees)
+        if len(seq_ids) == 1 and not self._pool.row_of:
+            return [self._score_tree_one(seq_ids[0], list(token_ids[0]), trees[0])]
+        for s in seq_ids:
+            self._caches.pop(s, None)
+        return self._pool.score_tree(seq_ids, token_ids, trees)
+
+    def _decide_pool(self) -> None:
         if self._pool is None:
             self._pool = (Pool(self.model, self.device, self.context_length, self._logits)
                           if poolable(self.model) else False)
+
+    def _score(self, seq_ids, token_ids, num_positions) -> list[torch.Tensor]:
+        if self._pool is None:
+            self._decide_pool()
         if self._pool is False:  # a cache layout the pool does not handle: one cache per sequence
             if len(seq_ids) == 1:
                 return [self._score_one(seq_ids[0], list(token_ids[0]), num_positions[0])]
@@ -136,13 +211,32 @@ class HFWorker(Worker):
         entry = self._caches.get(seq_id)
         if entry is None:
             entry = self._caches[seq_id] = _SeqCache(self._new_cache())
+        elif entry.tree is not None:
+            self._settle(entry, tokens)
         keep = min(common_prefix(entry.tokens, tokens), len(tokens) - num_positions)
         if keep < len(entry.tokens):
             entry.cache.crop(keep - len(entry.tokens))
             del entry.tokens[keep:]
         return entry, tokens[keep:]
 
-    def _score_batch(self, seq_ids, token_ids, num_positions) -> list[torch.Tensor]:
+    @staticmethod
+    def _settle(entry: _SeqCache, tokens: list[int]) -> None:
+        """Resolve the tree scored last: keep the root-to-node path that ``tokens`` continues
+        with (its keys/values moved next to the prefix, as a chain would have put them), drop
+        every other node."""
+        tree, entry.tree = entry.tree, None
+        base = len(entry.tokens)
+        path = accepted_path(tree.tokens, tree.parents, tokens, base) if tokens[:base] == entry.tokens else []
+        k = len(path)
+        if path != list(range(k)):
+            for layer in entry.cache.layers:
+                src = torch.tensor(path, device=layer.keys.device) + base
+                layer.keys[:, :, base:base + k] = layer.keys.index_select(2, src)
+                layer.values[:, :, base:base + k] = layer.values.index_select(2, src)
+        entry.cache.crop(k - len(tree.tokens))
+        entry.tokens.extend(tree.tokens[i] for i in path)
+
+    def _score_batch(self, seq_ids, token_ids, num_positions, trees=None) -> list[torch.Tensor]:
         """One forward pass over several sequences with ragged caches (the fallback for models
         whose cache layout the pool does not handle).
 
@@ -151,19 +245,33 @@ class HFWorker(Worker):
         explicit position ids per row; afterwards each row's new keys/values are appended to its
         own cache. (HF's dynamic cache already copies the whole cache on every append, so the
         padding copy does not change the order of the cost.)
+
+        With ``trees`` (``num_positions`` all 1: the root rows), each row feeds its tree's nodes
+        after its tail, at their depths' positions, under a 4D tree mask; they stay pending in
+        its cache (:meth:`_settle`). Rows ``[n_b + 1, vocab]``.
         """
         rows = [self._reconcile(s, list(t), n) for s, t, n in zip(seq_ids, token_ids, num_positions)]
+        news = [new + tree[0] for (_, new), tree in zip(rows, trees)] if trees else [new for _, new in rows]
+        if trees:
+            num_positions = [len(tree[0]) + 1 for tree in trees]
         pasts = [len(entry.tokens) for entry, _ in rows]
-        width = max(len(new) for _, new in rows)
+        width = max(len(new) for new in news)
         longest = max(pasts)
         batch = len(rows)
         dev = self.device
         mask = torch.zeros(batch, longest + width, dtype=torch.long, device=dev)
         input_ids = torch.zeros(batch, width, dtype=torch.long, device=dev)
-        for b, ((_, new), past) in enumerate(zip(rows, pasts)):
+        for b, (new, past) in enumerate(zip(news, pasts)):
             mask[b, longest - past:longest + len(new)] = 1
             input_ids[b, :len(new)] = torch.tensor(new, dtype=torch.long)
         positions = torch.tensor(pasts, device=dev).unsqueeze(1) + torch.arange(width, device=dev)
+        if trees:  # nodes at their depths' positions; each sees the prefix and its ancestors
+            among = torch.zeros(batch, width, width, dtype=torch.bool)
+            for b, ((_, fresh), (tokens, parents)) in enumerate(zip(rows, trees)):
+                t = len(fresh)
+                among[b] = window_mask(width, t, parents)
+                positions[b, t:t + len(tokens)] = pasts[b] + t + torch.tensor(depths(parents), device=dev)
+            mask = self._tree_attention(mask.bool(), among.to(dev), longest + width)
         cache = self._new_cache()
         if longest:
             data = []
@@ -181,11 +289,13 @@ class HFWorker(Worker):
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
                          use_cache=True)
         results = []
-        for b, ((entry, new), n) in enumerate(zip(rows, num_positions)):
+        for b, ((entry, fresh), new, n) in enumerate(zip(rows, news, num_positions)):
             for layer_idx, layer in enumerate(out.cache.layers):
                 entry.cache.update(layer.keys[b:b + 1, :, longest:longest + len(new)],
                                    layer.values[b:b + 1, :, longest:longest + len(new)], layer_idx)
-            entry.tokens.extend(new)
+            entry.tokens.extend(fresh)
+            if trees and trees[b][0]:
+                entry.tree = Pending(list(trees[b][0]), list(trees[b][1]))
             logits = out.logits[b, len(new) - n:len(new)]
             if logits.dtype in (torch.float16, torch.bfloat16):
                 logits = logits.float()
@@ -200,6 +310,21 @@ class HFWorker(Worker):
         logits = self._logits(new, positions, entry.cache, None, num_positions)[0]
         entry.tokens.extend(fresh)
         # Verification runs on the host in at least float32.
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return logits.cpu()
+
+    def _score_tree_one(self, seq_id: str, tokens: list[int], tree) -> torch.Tensor:
+        """One sequence's tree on its own DynamicCache: the uncached tail, then the nodes."""
+        entry, fresh = self._reconcile(seq_id, tokens, 1)
+        nodes, parents = tree
+        past, t, dev = len(entry.tokens), len(fresh), self.device
+        new = torch.tensor([fresh + list(nodes)], dtype=torch.long, device=dev)
+        positions = torch.tensor([list(range(past, past + t)) + [past + t + d for d in depths(parents)]], device=dev)
+        among = window_mask(t + len(nodes), t, parents)[None].to(dev)
+        logits = self._logits(new, positions, entry.cache, None, len(nodes) + 1, among)[0]
+        entry.tokens.extend(fresh)
+        entry.tree = Pending(list(nodes), list(parents))
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         return logits.cpu()

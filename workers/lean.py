@@ -48,7 +48,9 @@ def lean_forward(model) -> Forward | None:
       the new ones last;
     * ``valid``: ``[rows, columns]`` bool, which cached columns (the new ones included) a row may
       attend to, or None for all of them; causality among the new columns is added here;
-    * ``keep``: logits are returned for the last ``keep`` positions only: ``[rows, keep, vocab]``.
+    * ``keep``: logits are returned for the last ``keep`` positions only: ``[rows, keep, vocab]``;
+    * ``among`` (optional): ``[rows, width, width]`` bool, which new positions each new position
+      attends to, in place of causality among them (a tree of candidates, :mod:`workers.trees`).
     """
     arch = _supported(model)
     if arch is None:
@@ -68,12 +70,12 @@ def lean_forward(model) -> Forward | None:
     ) for layer in decoder]
     final_norm = _norm(inner.norm)
 
-    def forward(input_ids, position_ids, layers: Sequence, valid, keep: int) -> torch.Tensor:
+    def forward(input_ids, position_ids, layers: Sequence, valid, keep: int, among=None) -> torch.Tensor:
         rows, width = input_ids.shape
         hidden = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        mask = _mask(valid, width, layers[0].get_seq_length() + width, hidden.device)
+        mask = attention_mask(valid, width, layers[0].get_seq_length() + width, hidden.device, among)
         for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act, head_norms), cache in zip(weights, layers):
             x = _rms(hidden, *norm1)
             q = F.linear(x, *wq).view(rows, width, -1, head_dim)
@@ -97,9 +99,19 @@ def lean_forward(model) -> Forward | None:
     return forward
 
 
-def _mask(valid, width: int, columns: int, device):
+def attention_mask(valid, width: int, columns: int, device, among=None):
     """The pass's boolean attention mask ``[rows, 1, width, columns]`` (True = attend), or None
-    when a single new token may see every column."""
+    when a single new token may see every column. ``among`` ``[rows, width, width]``: which new
+    positions each new one sees (default: causal). With ``among``, every new position sees at
+    least itself, pads included (which no real position sees): no row of the mask is empty, so
+    no attention kernel makes a NaN of one (an eager float32 softmax over a float64 mask would)."""
+    if among is not None:
+        seen = torch.ones(among.shape[0], width, columns, dtype=torch.bool, device=device)
+        seen[:, :, columns - width:] = among
+        if valid is not None:
+            seen &= valid[:, None, :columns]
+        seen[:, :, columns - width:] |= torch.eye(width, dtype=torch.bool, device=device)
+        return seen[:, None]
     if valid is None and width == 1:
         return None
     causal = torch.ones(width, columns, dtype=torch.bool, device=device).tril(columns - width)

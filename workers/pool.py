@@ -13,6 +13,13 @@ a row's logits are those of the sequence alone. The holes are compacted away (ea
 columns gathered, left-padded) when they make up a quarter of the columns. A sequence joining
 a running batch is prefilled by itself into columns its row does not use (no holes for the
 others); rows left free while the batch drains are dropped.
+
+A tree of candidates (:meth:`Pool.score_tree`) is fed like new tokens, after the row's tail,
+with its nodes' own positions and a tree mask over the new columns; its node columns stay
+valid, pending, until the row's next call settles it: the accepted path's keys/values move to
+the columns right after the tail, the other nodes' columns turn invalid, and ``used`` shrinks
+back past columns no row holds any more. (Trees of one size leave no holes; a row whose tree is
+smaller than another's leaves some, compacted like any others.)
 """
 from __future__ import annotations
 
@@ -22,9 +29,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from workers.base import common_prefix
+from workers.trees import Pending, accepted_path, depths, window_mask
 
-# A worker's forward pass: (input_ids, position_ids, cache layers, valid [rows, columns], keep)
-# -> logits [rows, keep, vocab] of the last ``keep`` positions (HFWorker._logits).
+# A worker's forward pass: (input_ids, position_ids, cache layers, valid [rows, columns], keep
+# [, among [rows, width, width]: a tree's mask over the new columns]) -> logits [rows, keep, vocab]
+# of the last ``keep`` positions (HFWorker._logits).
 Forward = Callable[[torch.Tensor, torch.Tensor, list, torch.Tensor, int], torch.Tensor]
 
 
@@ -122,6 +131,7 @@ class Pool:
         self.row_of: dict[str, int] = {}
         self.tokens: list[list[int]] = []
         self.cols: list[list[int]] = []
+        self.trees: dict[int, Pending] = {}  # row -> its scored tree, until its next call settles it
 
     # -- shape management ---------------------------------------------------------------------
 
@@ -147,16 +157,19 @@ class Pool:
         """Keep only ``keep_rows`` (in that order) and each one's valid columns, gathered to the
         right end of ``[0, used)`` (left padding), in buffers of ``capacity`` columns."""
         dev = self.device
-        width = max((len(self.cols[r]) for r in keep_rows), default=0)
+        held = {r: self._held(r) for r in keep_rows}  # a pending tree's nodes move along, after the row's tokens
+        width = max((len(h) for h in held.values()), default=0)
         capacity = max(capacity, width)
         index = torch.zeros(len(keep_rows), width, dtype=torch.long, device=dev)
         valid = torch.zeros(len(keep_rows), capacity, dtype=torch.bool, device=dev)
         for i, r in enumerate(keep_rows):
-            n = len(self.cols[r])
+            n = len(held[r])
             if n:
-                index[i, width - n:] = torch.tensor(self.cols[r], dtype=torch.long)
+                index[i, width - n:] = torch.tensor(held[r], dtype=torch.long)
                 valid[i, width - n:width] = True
-            self.cols[r] = list(range(width - n, width))
+            self.cols[r] = list(range(width - n, width - n + len(self.cols[r])))
+            if r in self.trees:
+                self.trees[r].start = width - len(self.trees[r].tokens)
         if self.kbufs is not None:
             rows = torch.tensor(keep_rows, dtype=torch.long, device=dev)
             all_rows = keep_rows == list(range(len(self.rows)))
@@ -183,7 +196,15 @@ class Pool:
         self.rows = [self.rows[r] for r in keep_rows]
         self.tokens = [self.tokens[r] for r in keep_rows]
         self.cols = [self.cols[r] for r in keep_rows]
+        self.trees = {i: self.trees[r] for i, r in enumerate(keep_rows) if r in self.trees}
         self.row_of = {s: i for i, s in enumerate(self.rows) if s is not None}
+
+    def _held(self, r: int) -> list[int]:
+        """The columns row ``r`` holds: its tokens', then its pending tree's nodes'."""
+        tree = self.trees.get(r)
+        if tree is None:
+            return self.cols[r]
+        return self.cols[r] + list(range(tree.start, tree.start + len(tree.tokens)))
 
     def _grow(self, capacity: int) -> None:
         dev = self.device
@@ -201,7 +222,10 @@ class Pool:
 
     def _make_room(self, width: int) -> None:
         """Room for ``width`` more columns: compact if most columns are holes, else grow."""
-        longest = max((len(c) for c in self.cols), default=0)
+        if self.trees:
+            longest = max((len(self._held(r)) for r in range(len(self.rows))), default=0)
+        else:
+            longest = max((len(c) for c in self.cols), default=0)
         holes = self.used - longest
         if holes > 16 and 4 * holes > self.used:
             self._rebuild(list(range(len(self.rows))), max(self.capacity, longest + width))
@@ -217,6 +241,7 @@ class Pool:
             self.rows[r] = None
             self.tokens[r] = []
             self.cols[r] = []
+            self.trees.pop(r, None)
             self.valid[r] = False
         if not self.row_of:
             self._reset()  # nothing left: free the buffers
@@ -232,6 +257,19 @@ class Pool:
         news = self._reconcile(rows, token_ids, num_positions)
         self._feed_long_rows_first(rows, news, num_positions)
         return self._forward(rows, news, num_positions)
+
+    def score_tree(self, seq_ids, token_ids, trees) -> list[torch.Tensor]:
+        """:meth:`Worker.score_tree <workers.base.Worker.score_tree>` for sequences of the pool:
+        reconcile each row with its committed tokens (its last one uncached: the root's row),
+        then one forward pass feeding each row its tail and its tree's nodes."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("score_tree: a sequence appears twice in one call")
+        rows = self._seat(seq_ids)
+        ones = [1] * len(rows)
+        news = self._reconcile(rows, token_ids, ones)
+        self._feed_long_rows_first(rows, news, ones)
+        return self._forward(rows, [new + list(tree[0]) for new, tree in zip(news, trees)],
+                             [len(tree[0]) + 1 for tree in trees], trees=trees)
 
     def _seat(self, seq_ids) -> list[int]:
         """Each sequence's row; joining ones take free rows first, then new ones."""
@@ -256,6 +294,8 @@ class Pool:
         """Roll each row back to its longest common prefix with the tokens it is handed (keeping
         the positions that need logits uncached); return the tokens each row still has to feed."""
         dev = self.device
+        if self.trees:
+            self._settle(rows, token_ids)
         news = []
         drop_rows, drop_cols = [], []
         for r, toks, n in zip(rows, token_ids, num_positions):
@@ -274,6 +314,41 @@ class Pool:
         if drop_rows:
             self.valid[torch.tensor(drop_rows, device=dev), torch.tensor(drop_cols, device=dev)] = False
         return news
+
+    def _settle(self, rows: list[int], token_ids) -> None:
+        """Resolve the pending trees of these rows against the tokens they are handed now: each
+        keeps the root-to-node path its sequence took, moved to the columns right after its
+        tail (where a chain would be), and drops its other nodes; then ``used`` shrinks to the
+        last column any row still holds."""
+        move_rows, move_from, move_to, drop_rows, drop_cols = [], [], [], [], []
+        for r, toks in zip(rows, token_ids):
+            tree = self.trees.pop(r, None)
+            if tree is None:
+                continue
+            toks, have = list(toks), self.tokens[r]
+            base = len(have)
+            path = accepted_path(tree.tokens, tree.parents, toks, base) if toks[:base] == have else []
+            for j, i in enumerate(path):
+                if i != j:
+                    move_rows.append(r)
+                    move_from.append(tree.start + i)
+                    move_to.append(tree.start + j)
+            gone = range(tree.start + len(path), tree.start + len(tree.tokens))
+            drop_rows.extend([r] * len(gone))
+            drop_cols.extend(gone)
+            self.cols[r].extend(range(tree.start, tree.start + len(path)))
+            have.extend(tree.tokens[i] for i in path)
+        dev = self.device
+        if move_rows:
+            rr = torch.tensor(move_rows, device=dev)
+            src, dst = torch.tensor(move_from, device=dev), torch.tensor(move_to, device=dev)
+            for buf in self.kbufs + self.vbufs:
+                buf[rr, :, dst] = buf[rr, :, src]
+        if drop_rows:
+            self.valid[torch.tensor(drop_rows, device=dev), torch.tensor(drop_cols, device=dev)] = False
+        end = max((c[-1] + 1 for c in self.cols if c), default=0)
+        end = max([end] + [t.start + len(t.tokens) for t in self.trees.values()])
+        self.used = min(self.used, end)
 
     def _feed_long_rows_first(self, rows: list[int], news: list[list[int]], num_positions) -> None:
         """A few rows with much more to feed than the others (a sequence joining a running batch)
@@ -333,9 +408,12 @@ class Pool:
             self.cols[r] = list(range(used - len(h), used))
             self.tokens[r] = list(h)
 
-    def _forward(self, rows: list[int], news: list[list[int]], num_positions, subset: bool | None = None):
+    def _forward(self, rows: list[int], news: list[list[int]], num_positions, subset: bool | None = None,
+                 trees=None):
         """One forward pass feeding ``news[i]`` to row ``rows[i]``; logits of each one's last
-        ``num_positions[i]`` positions."""
+        ``num_positions[i]`` positions. With ``trees``, ``news[i]`` ends with the nodes of
+        ``trees[i]`` (tokens, parents), which get their depths' positions, a tree mask among the
+        new columns, and stay pending (:meth:`_settle`)."""
         dev = self.device
         width = max(len(new) for new in news)
         self._make_room(width)
@@ -352,6 +430,17 @@ class Pool:
         for r, new in zip(rows, news):
             fed[slot[r]] = new
         input_ids, positions, new_valid = self._window(fed, [len(self.tokens[r]) for r in batch_rows], width)
+        among = None
+        if trees is not None:
+            among = torch.ones(width, width, dtype=torch.bool).tril().repeat(len(batch_rows), 1, 1)
+            for r, new, (nodes, parents) in zip(rows, news, trees):
+                if nodes:
+                    n, i = len(nodes), slot[r]
+                    among[i] = window_mask(width, width - n, parents)
+                    positions[i, width - n:] = len(self.tokens[r]) + len(new) - n + torch.tensor(depths(parents))
+            if self.context_length:
+                positions.clamp_(max=self.context_length - 1)
+            among = among.to(dev)
         layers, mask = self._pass_cache(index, new_valid.to(dev), width)
         keep = max(num_positions)  # logits only for the last positions any row needs
         # A small cache is copied to contiguous keys/values for attention (cheaper than the
@@ -359,15 +448,23 @@ class Pool:
         compact = len(batch_rows) * (used + width) <= 4096
         for layer in layers:
             layer.compact_views = compact
-        logits_all = self.forward(input_ids.to(dev), positions.to(dev), layers, mask, keep)
+        if among is None:
+            logits_all = self.forward(input_ids.to(dev), positions.to(dev), layers, mask, keep)
+        else:
+            logits_all = self.forward(input_ids.to(dev), positions.to(dev), layers, mask, keep, among)
         self._keep_new_columns(layers, index, new_valid, width)
         self.used = used + width
         if logits_all.dtype in (torch.float16, torch.bfloat16):
             logits_all = logits_all.float()
         logits_all = logits_all.cpu()
         results = []
-        for r, new, n in zip(rows, news, num_positions):
-            self.cols[r].extend(range(used + width - len(new), used + width))
+        for i, (r, new, n) in enumerate(zip(rows, news, num_positions)):
+            end = used + width
+            if trees is not None and trees[i][0]:  # the nodes stay pending, after the row's tail
+                end -= len(trees[i][0])
+                self.trees[r] = Pending(list(trees[i][0]), list(trees[i][1]), end)
+                new = new[:len(new) - len(trees[i][0])]
+            self.cols[r].extend(range(end - len(new), end))
             self.tokens[r].extend(new)
             results.append(logits_all[slot[r], keep - n:keep])
         return results
