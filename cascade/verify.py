@@ -65,13 +65,26 @@ def verify_block(
     # would correlate the two, since that draw is conditioned to lie above the acceptance ratio.
     if accepted == n:
         return Verdict(n, int(sample_with_uniform(target_probs[n], uniforms[n])), True)
-    target_row = target_probs[accepted].to(torch.promote_types(target_probs.dtype, draft_probs.dtype))
-    residual = (target_row - draft_probs[accepted]).clamp(min=0)
+    recovered_from = residual(target_probs[accepted], draft_probs[accepted])
+    return Verdict(accepted, int(sample_with_uniform(recovered_from, uniforms[n])), False)
+
+
+def residual(
+    target_row: torch.Tensor,  # [vocab]
+    draft_row: torch.Tensor,  # [vocab]
+) -> torch.Tensor:  # [vocab], not normalised
+    """Where a rejection sends the mass: ``max(0, target_row - draft_row)``, up to its total (a
+    recovered token is drawn from it; :mod:`cascade.tree` tries the next sibling against it)."""
+    dtype = torch.promote_types(target_row.dtype, draft_row.dtype)
+    if target_row.dtype != dtype:
+        target_row = target_row.to(dtype)
+    mass = (target_row - draft_row).clamp(min=0)
     # The residual is all zeros only through rounding (target == draft at this row); the
-    # target row is then the right distribution to fall back to.
-    if not bool((residual > 0).any()):
-        residual = target_row
-    return Verdict(accepted, int(sample_with_uniform(residual, uniforms[n])), False)
+    # target row is then the right distribution to fall back to. (A sum of non-negative
+    # numbers is 0 only if all are.)
+    if not float(mass.sum()) > 0:
+        return target_row
+    return mass
 
 
 def verify_blocks(
