@@ -109,6 +109,13 @@ class _StepRecord:
             confidence = tuple(confidence[:proposed])
         self.edges.append(EdgeOutcome(proposer, verifier, proposed, accepted, confidence))
 
+    def tree(self, proposer: str, verifier: str, tree, verdict) -> None:
+        """A verified tree (after :meth:`edge` recorded it as a block): its size, and the rank
+        among its siblings of every accepted candidate."""
+        parents = [-1, *verdict.path[:-1]]
+        ranks = [tree.children(p).index(node) for p, node in zip(parents, verdict.path)]
+        self.stats.edge(proposer, verifier).observe_tree(tree.size, ranks)
+
     def drafted(self, level: str, draft: Draft) -> None:
         """The first level's block: its own token probabilities, and whether its stop rule ended it."""
         self.confidence.extend(draft.confidence or [])
@@ -296,6 +303,13 @@ class Engine:
             if i == 0 and not top:
                 self._draft(seqs, level, sampling, stop, policy)
                 return
+            widths = plan.tree.get(plan.path[0]) if i == 1 else None
+            if widths and self.workers[plan.path[0]].can_score:
+                while active := [s for s in seqs if s.open]:
+                    self._tree_round(active, plan, widths, sampling, stop, policy)
+                    if top:
+                        break
+                return
             while active := [s for s in seqs if s.open]:
                 blocks = self._blocks_below(active, i, plan, policy)  # draft
                 logits, target_probs = self._score(level, active, blocks, sampling, stop, policy)  # verify
@@ -317,6 +331,46 @@ class Engine:
             if exc.level is None:  # name the failing level (the innermost call sets it first)
                 exc.level = level
             raise
+
+    def _tree_round(self, seqs: list[_Seq], plan: StepPlan, widths: tuple[int, ...], sampling: Sampling,
+                    stop: StopRule | None, policy: Policy) -> None:
+        """One round at ``plan.path[1]`` with a tree from ``plan.path[0]``: the drafter grows each
+        sequence's tree of top-k candidates (one pass per depth), the level scores all nodes in
+        one pass, and the matching rule (cascade/tree.py; docs/exactness.md, Trees) walks it: at
+        each depth the level draws its own token, with the draw of that position, and follows
+        the child holding it. The path and the token drawn where it ends are exact samples of the
+        level, and go into its block as a chain with the level's rows."""
+        from cascade.tree import DraftTree
+
+        drafter, level = plan.path[0], plan.path[1]
+        prefixes = [s.prefix + s.tokens for s in seqs]
+        ids = [s.state.seq_id for s in seqs]
+        # as a block: at most budget - 1 - len(tokens) deep, so that the bonus lands on the budget
+        shapes = [widths[:max(0, s.budget - len(s.tokens) - 1)] for s in seqs]
+        t0 = time.perf_counter()
+        grown = self.workers[drafter].draft_tree(ids, prefixes, shapes)
+        depth = [len(x) for x in shapes]
+        self._price(drafter, seqs, policy, time.perf_counter() - t0,
+                    [_Feed(p, 1, len(p), d, len(t[0])) for p, d, t in zip(prefixes, depth, grown)])
+        trees = [DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+                 for tokens, parents in grown]
+        t0 = time.perf_counter()
+        worker = self.workers[level]
+        if stop is None:
+            logits, rows = None, worker.score_tree_probs(ids, prefixes, grown, sampling)
+        else:  # the stop rule reads the model's own logits
+            logits = worker.score_tree(ids, prefixes, grown)
+            rows = [sampling.probs(x) for x in logits]
+        self._price(level, seqs, policy, time.perf_counter() - t0,
+                    [_Feed(p, t.size + 1, len(p), 1, t.size + 1) for p, t in zip(prefixes, trees)])
+        verdicts = _tree_verdicts(sampling, trees, rows, [s.draws(sampling, t.max_depth + 1) for s, t in zip(seqs, trees)])
+        for a, (s, tree, verdict) in enumerate(zip(seqs, trees, verdicts)):
+            if tree.size:
+                s.record.edge(drafter, level, tree.max_depth, verdict.accepted)
+                s.record.tree(drafter, level, tree, verdict)
+            taken = list(verdict.rows)
+            s.emit(level, list(verdict.emitted), rows[a][taken], [drafter] * verdict.accepted + [level],
+                   None if logits is None else logits[a][taken], stop)
 
     def _blocks_below(self, seqs: list[_Seq], i: int, plan: StepPlan, policy: Policy) -> list[_Seq]:
         """This round's block from the level below ``plan.path[i]`` for each sequence (empty at
@@ -515,6 +569,19 @@ class Batch:
         for state in self.active:
             state.finish_reason = state.finish_reason or "cancelled"
         self._retire()
+
+
+def _tree_verdicts(sampling: Sampling, trees: list, target_probs: list[torch.Tensor],
+                   draws: list[torch.Tensor]) -> list:
+    """The matching rule for trees of chosen candidates (cascade/tree.py; docs/exactness.md,
+    Trees), for a batch: the level's own token at every row of every tree, drawn with the draw of
+    the row's position (its depth), under either coupling, in one call; then each tree's walk
+    follows the child holding it and emits it where none does. Per sequence ``target_probs
+    [n + 1, vocab]`` and ``draws [max_depth + 1]``."""
+    from cascade.tree import verify_tree_keyed
+
+    mine = sampling.draw(torch.cat(target_probs), torch.cat([d[list(t.row_depths)] for t, d in zip(trees, draws)]))
+    return [verify_tree_keyed(t, m) for t, m in zip(trees, mine.split([t.size + 1 for t in trees]))]
 
 
 def _verdict(sampling: Sampling, tokens: list[int], draft_probs: torch.Tensor | None,

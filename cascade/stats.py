@@ -20,6 +20,10 @@ class EdgeStats:
     proposed_by_position: list[int] = field(default_factory=list)  # [j]: blocks with a token at j
     examined_by_position: list[int] = field(default_factory=list)  # [j]: of those, with 0..j-1 accepted
     accepted_by_position: list[int] = field(default_factory=list)  # [j]: of those, accepted
+    # trees (a tree's block counts its depth as proposed): candidates scored, and [r]: accepted
+    # tokens that were their parent's r-th candidate (0: the proposer's own first choice)
+    tree_nodes: int = 0
+    accepted_by_rank: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -29,13 +33,24 @@ class EdgeStats:
         self.blocks += other.blocks
         self.proposed += other.proposed
         self.accepted += other.accepted
+        self.tree_nodes += other.tree_nodes
         for mine, theirs in ((self.proposed_by_position, other.proposed_by_position),
                              (self.examined_by_position, other.examined_by_position),
-                             (self.accepted_by_position, other.accepted_by_position)):
+                             (self.accepted_by_position, other.accepted_by_position),
+                             (self.accepted_by_rank, other.accepted_by_rank)):
             mine.extend([0] * (len(theirs) - len(mine)))
             for j, c in enumerate(theirs):
                 mine[j] += c
         return self
+
+    def observe_tree(self, nodes: int, ranks: list[int]) -> None:
+        """A verified tree of ``nodes`` candidates whose accepted path took the ``ranks``-th
+        candidate at each depth (its block is observed as usual too)."""
+        self.tree_nodes += nodes
+        for r in ranks:
+            if len(self.accepted_by_rank) <= r:
+                self.accepted_by_rank.extend([0] * (r + 1 - len(self.accepted_by_rank)))
+            self.accepted_by_rank[r] += 1
 
     def conditional_acceptance(self) -> list[float]:
         """[j]: P(position j accepted | positions before j accepted), as measured."""

@@ -108,12 +108,18 @@ class StepPlan:
 
     ``lookahead[level]`` is how many tokens ``level`` proposes to the next level of the path in
     one block (0 = that level only samples, no block from below). ``stop[level]`` optionally
-    ends a level's block early on its own confidence.
+    ends a level's block early on its own confidence. ``tree[path[0]]`` makes the first level
+    draft a tree of candidates instead (widths per depth).
     """
 
     path: tuple[str, ...]
     lookahead: dict[str, int]
     stop: dict[str, StopRule] = field(default_factory=dict)
+    # tree[level]: the path's first level drafts a tree instead of a block, ``widths[d]``
+    # candidates below every node at depth d (its top-k), which the next level verifies in one
+    # pass (cascade/tree.py); its accepted path goes on up as a chain. Deeper than the budget
+    # allows, a tree is cut; a level that cannot score drafts a block as usual.
+    tree: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

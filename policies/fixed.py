@@ -7,13 +7,18 @@ import networkx as nx
 from pydantic import Field
 
 from policies.base import PlanContext, Policy, PolicyError, StepPlan, longest_path
-from policies.params import Int, PathParams, per_level
+from policies.params import Int, LevelName, PathParams, TreeShape, per_level
 
 
 class FixedParams(PathParams):
     lookahead: per_level(Annotated[Int, Field(ge=0)]) = Field(
         4, description="Tokens each proposing level drafts per block: one int for every level, or a "
                        "mapping level -> int (levels left out: 4). 0 = that level only samples.")
+    tree: dict[LevelName, TreeShape] = Field(
+        default_factory=dict,
+        description="level -> widths per depth, e.g. {draft: [3, 2, 1]}: where that level is the path's first, it "
+                    "drafts a tree of its top candidates (widths[d] below every node at depth d) instead of a block, "
+                    "verified in one pass by the next level.")
 
 
 class FixedPolicy(Policy):
@@ -22,6 +27,7 @@ class FixedPolicy(Policy):
     Params (:class:`FixedParams`):
       lookahead: int for every proposing level, or a mapping level -> int (default 4).
       path: list of level names ending at the authority (default: the longest path).
+      tree: mapping level -> widths per depth; that level drafts trees where it starts the path.
 
     ``lookahead`` may also be passed positionally: ``FixedPolicy(3)``, ``FixedPolicy({"tiny": 2})``.
     """
@@ -37,6 +43,7 @@ class FixedPolicy(Policy):
         super().__init__(lookahead, **kwargs)
         self.lookahead_param = self.params.lookahead
         self.path_param = list(self.params.path) if self.params.path is not None else None
+        self.tree_param = {level: tuple(widths) for level, widths in self.params.tree.items()}
         self._paths: dict[frozenset[str], tuple[str, ...]] = {}
 
     def bind(self, graph: nx.DiGraph, authority: str) -> None:
@@ -47,6 +54,11 @@ class FixedPolicy(Policy):
             unknown = set(self.lookahead_param) - set(graph.nodes)
             if unknown:
                 raise self.param_error("lookahead", f"unknown level(s) {sorted(unknown)}; levels: {list(graph.nodes)}")
+        unknown = set(self.tree_param) - set(graph.nodes)
+        if unknown:
+            raise self.param_error("tree", f"unknown level(s) {sorted(unknown)}; levels: {list(graph.nodes)}")
+        if authority in self.tree_param:
+            raise self.param_error("tree", f"the authority {authority!r} proposes nothing")
 
     def lookahead_for(self, level: str) -> int:
         if isinstance(self.lookahead_param, dict):
@@ -60,7 +72,8 @@ class FixedPolicy(Policy):
             path = self._paths.get(ctx.available)
             if path is None:
                 path = self._paths[ctx.available] = longest_path(ctx.graph, ctx.authority, ctx.available)
-        return StepPlan(path=path, lookahead={n: self.lookahead_for(n) for n in path[:-1]})
+        tree = {path[0]: self.tree_param[path[0]]} if path[0] in self.tree_param and len(path) > 1 else {}
+        return StepPlan(path=path, lookahead={n: self.lookahead_for(n) for n in path[:-1]}, tree=tree)
 
 
 def check_path(policy: Policy, graph: nx.DiGraph, authority: str, path: list[str]) -> None:

@@ -45,6 +45,8 @@ Float = Annotated[float, BeforeValidator(_real), Strict(), AllowInfNan(False)]
 Unit = Annotated[Float, Field(ge=0.0, le=1.0)]  # a probability, share or rate in [0, 1]
 Lookahead = Annotated[Int, Field(ge=1, le=64)]
 LevelName = Annotated[str, Strict()]
+# a draft tree's shape: candidates below every node at each depth (cascade/tree.py), e.g. [3, 2, 1]
+TreeShape = Annotated[list[Annotated[Int, Field(ge=1, le=16)]], Field(min_length=1, max_length=32)]
 
 # Tags of the per-level union: left out of the field path in messages.
 _ONE, _EACH = "for every level", "per level"

@@ -40,6 +40,20 @@ KEYED_CASES = [
 ]
 
 
+# trees (cascade/tree.py): (coupling, depth, temperature, top_k, widths at the path's first level);
+# with MAX_NEW = 4 a tree is at most 3 deep
+TREE_CASES = [
+    ("residual", 2, 1.0, 0, [2, 2, 2]),
+    ("residual", 3, 0.7, 3, [3, 2, 2]),  # tiny's tree verified by small, whose chain goes to large
+    (None, 2, 0.8, 0, [3, 2, 2]),  # keyed: the seeded default
+]
+
+
+def tree_policy(depth: int, widths: list[int]) -> dict:
+    first = ["tiny", "small", "medium", "large"][4 - depth]
+    return {"name": "fixed", "params": {"lookahead": 3, "tree": {first: widths}}}
+
+
 def table_topology(tmp_path, depth: int, policy: dict | None = None, draft_sampling=None,
                    ngram: bool = False) -> str:
     names = ["tiny", "small", "medium", "large"][4 - depth:]
@@ -91,6 +105,28 @@ def verify_ignoring_draft_probs(draft_tokens, draft_probs, target_probs, uniform
         if not float(uniforms[j]) < float(target_probs[j][x]):
             return Verdict(j, int(sample_with_uniform(target_probs[j], uniforms[n])), False)
     return Verdict(n, int(sample_with_uniform(target_probs[n], uniforms[n])), True)
+
+
+def trees_without_residual(sampling, trees, target_probs, draws):
+    """:func:`tree_without_residual` for a batch, in the engine's ``_tree_verdicts``' place."""
+    return [tree_without_residual(sampling, t, p, d) for t, p, d in zip(trees, target_probs, draws)]
+
+
+def tree_without_residual(sampling, tree, target_probs, draws):
+    """A wrong tree rule: try each child against the level's unmodified row with the depth's one
+    draw (accept ``x`` if ``u < row[x]``) - no residual between siblings - and at the end draw
+    from the unmodified row. A chain is verified right by it; siblings are not."""
+    from cascade.tree import ROOT, TreeVerdict
+
+    tokens, path, node = tree.token_list, [], ROOT
+    while True:
+        u, row = float(draws[len(path)]), target_probs[node + 1]
+        child = next((c for c in tree.children(node) if u < float(row[tokens[c]])), None)
+        if child is None:
+            token = int(sample_with_uniform(row, draws[len(path)]))
+            return TreeVerdict(tuple(path), tuple(tokens[i] for i in path), token, not tree.children(node))
+        path.append(child)
+        node = child
 
 
 def accept_every_draft(draft_tokens, target_tokens):

@@ -31,3 +31,14 @@ class TableWorker(Worker):
             last = torch.as_tensor(list(tokens[len(tokens) - n:]), dtype=torch.long)
             out.append(self.table[last])
         return out
+
+    def score_tree(self, seq_ids, token_ids, trees):
+        """A bigram's row after a node is the table's row of the node's token: every node of
+        every tree in one call (the row at the root is the last committed token's)."""
+        self.calls += 1
+        out = []
+        for tokens, tree in zip(token_ids, trees):
+            nodes = tree[0] if isinstance(tree, tuple) else tree.tokens
+            last = [int(tokens[-1])] + [int(t) for t in nodes]
+            out.append(self.table[torch.as_tensor(last, dtype=torch.long)])
+        return out

@@ -12,6 +12,7 @@ import torch
 
 from cascade.sampling import Sampling
 from table_worker import TableWorker
+from workers.base import Worker
 from workers.draft_vocab import DraftVocab
 from workers.hf import HFWorker
 from workers.trees import accepted_path, as_tree, leaf_paths
@@ -357,8 +358,12 @@ def test_greedy_along_tree_rows_is_plain_greedy(model, batch):
 
 # -- (d) the generic version, for any worker --------------------------------------------------------
 
+class _PathByPathTable(TableWorker):
+    score_tree = Worker.score_tree  # the generic version, not the table's own one-call override
+
+
 def test_generic_score_tree_on_the_table_worker():
-    worker = TableWorker(vocab_size=6, seed=1)
+    worker = _PathByPathTable(vocab_size=6, seed=1)
     rng = random.Random(5)
     trees = [random_tree(rng, 3, 4, vocab=6), ([], []), ([2, 2, 5], [-1, -1, 1]), random_tree(rng, 2, 2, vocab=6)]
     prefixes = [[1, 3], [4], [0, 0, 5], [2]]
@@ -370,6 +375,8 @@ def test_generic_score_tree_on_the_table_worker():
         for path in leaf_paths(parents):  # and the rows path scoring gives
             chain = worker.score(["p"], [prefix + [tokens[i] for i in path]], [len(path) + 1])[0]
             assert torch.equal(rows[[0] + [1 + i for i in path]], chain)
+    assert all(torch.equal(a, b) for a, b in zip(TableWorker(vocab_size=6, seed=1).score_tree(
+        ["a", "b", "c", "d"], prefixes, trees), got))  # the table's one-call override agrees
     sampling = Sampling(temperature=0.7, top_k=3)
     probs = worker.score_tree_probs(["a", "b"], prefixes[:2], trees[:2], sampling)
     for rows, p in zip(got[:2], probs):

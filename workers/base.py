@@ -130,6 +130,46 @@ class Worker(abc.ABC):
         """:meth:`score_tree`, turned into the level's sampling distribution ``[n_b + 1, vocab]``."""
         return _warp(self.score_tree(seq_ids, token_ids, trees), sampling)
 
+    def draft_tree(
+        self,
+        seq_ids: Sequence[str],
+        token_ids: Sequence[Sequence[int]],
+        widths: Sequence[Sequence[int]],  # per sequence: children per node at each depth
+    ) -> list[tuple[list[int], list[int]]]:
+        """Grow a tree of candidates after each sequence, depth by depth: every node at depth
+        ``d`` (the root at depth 0) gets the ``widths[b][d]`` tokens this level ranks highest
+        after it (its top-k logits, ties by token id). One :meth:`score_tree` pass per depth for
+        all sequences. Returns ``(tokens, parents)`` per sequence (parents -1 at the root, and
+        before their children), siblings best first.
+
+        The candidates are chosen, not sampled: the verifier follows them with the matching rule
+        (:func:`cascade.tree.verify_tree_matching`), which needs no draft rows."""
+        trees: list[tuple[list[int], list[int]]] = [([], []) for _ in seq_ids]
+        frontier: list[list[int]] = [[-1] for _ in seq_ids]
+        for depth in range(max((len(w) for w in widths), default=0)):
+            grow = [b for b in range(len(seq_ids)) if depth < len(widths[b]) and frontier[b]]
+            if not grow:
+                break
+            logits = self.score_tree([seq_ids[b] for b in grow], [token_ids[b] for b in grow],
+                                     [trees[b] for b in grow])
+            for b, rows in zip(grow, logits):
+                tokens, parents = trees[b]
+                width, nodes = widths[b][depth], []
+                # every frontier node's row at once; a stable descending sort: equal logits keep
+                # token order (deterministic)
+                at = rows[[parent + 1 for parent in frontier[b]]]
+                order = torch.sort(at, dim=-1, descending=True, stable=True).indices[:, :width]
+                finite = torch.isfinite(at.gather(1, order)).tolist()  # -inf: outside a trimmed vocabulary
+                for parent, best, ok in zip(frontier[b], order.tolist(), finite):
+                    for token, keep in zip(best, ok):
+                        if not keep:
+                            break
+                        nodes.append(len(tokens))
+                        tokens.append(token)
+                        parents.append(parent)
+                frontier[b] = nodes
+        return trees
+
     def draft(
         self,
         seq_ids: Sequence[str],
