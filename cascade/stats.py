@@ -77,12 +77,25 @@ class EdgeStats:
 @dataclass(frozen=True)
 class BlockOutcome:
     """One block verified during a step: ``proposer`` handed ``proposed`` tokens to
-    ``verifier``, which accepted the first ``accepted`` of them."""
+    ``verifier``, which accepted the first ``accepted`` of them. A tree (``candidates`` > 0
+    nodes, ``proposed`` deep) tells the branch taken: ``ranks[j]`` is which of its siblings the
+    ``j``-th accepted token was (0: the proposer's first choice; the siblings before it were
+    tried and refused)."""
 
     proposer: str
     verifier: str
     proposed: int
     accepted: int
+    candidates: int = 0
+    ranks: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if not self.candidates:  # a chain's block: the four numbers
+            del d["candidates"], d["ranks"]
+        else:
+            d["ranks"] = list(self.ranks)
+        return d
 
 
 @dataclass(frozen=True)
@@ -100,7 +113,7 @@ class StepProvenance:
 
     def to_dict(self) -> dict:
         return {"path": list(self.path), "tokens": list(self.tokens), "origins": list(self.origins),
-                "blocks": [asdict(b) for b in self.blocks]}
+                "blocks": [b.to_dict() for b in self.blocks]}
 
 
 def cut_provenance(steps: list[StepProvenance], n_tokens: int) -> list[StepProvenance]:

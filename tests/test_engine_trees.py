@@ -63,3 +63,18 @@ def test_a_tree_for_an_unknown_level_or_the_authority_is_refused(four):
         four.generate([5, 6, 7], max_new_tokens=4, policy=FixedPolicy(tree={"nope": [2]}))
     with pytest.raises(RequestError, match="tree"):
         four.generate([5, 6, 7], max_new_tokens=4, policy=FixedPolicy(tree={"large": [2]}))
+
+
+def test_provenance_shows_the_branch_taken(four, tokenizer):
+    policy = FixedPolicy(lookahead=4, path=["small", "large"], tree={"small": [3, 2, 1]})
+    prompt = prompts_from_text(tokenizer, 1)[0]
+    g = four.generate(prompt, max_new_tokens=30, temperature=0.0, policy=policy, provenance=True)
+    steps = [s.to_dict() for s in g.provenance]
+    trees = [b for s in steps for b in s["blocks"]]
+    assert trees and all(b["proposer"] == "small" and b["candidates"] > 0 for b in trees)
+    for b in trees:
+        assert len(b["ranks"]) == b["accepted"] and all(0 <= r < 3 for r in b["ranks"])
+    assert any(r > 0 for b in trees for r in b["ranks"])  # a second choice was taken somewhere
+    for s in steps:  # accepted tokens are small's, the last of each step large's own
+        accepted = s["blocks"][0]["accepted"]
+        assert s["origins"][:accepted] == ["small"] * accepted and s["origins"][accepted] == "large"

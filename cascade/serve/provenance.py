@@ -2,7 +2,9 @@
 
 A step is sent as ``{"path", "blocks": [{"proposer", "verifier", "proposed", "accepted"}],
 "tokens": [{"id", "level", "text"}]}``, ``level`` being the level whose draft the token was
-(:class:`cascade.stats.StepProvenance`). ``text`` splits the answer's text among its tokens so
+(:class:`cascade.stats.StepProvenance`); a block that was a tree adds ``"candidates"`` (its
+nodes) and ``"ranks"`` (the branch taken: which sibling each accepted token was, the ones before
+it tried and refused). ``text`` splits the answer's text among its tokens so
 that, in order, the pieces concatenate to exactly the text the client receives: a token that
 ends in the middle of a UTF-8 character, or in what may still become a stop string, gets the
 empty string and the token that settles it the whole piece (the same holding back as the
