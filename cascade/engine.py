@@ -93,7 +93,6 @@ class _StepRecord:
     passes: dict[str, int] = field(default_factory=dict)
     confidence: list[float] = field(default_factory=list)  # the first level's own token probabilities
     draft_confidence: list[float] | None = None  # those of the block drafted last, until it is verified
-    trees: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # edges[i] was a tree: (nodes, ranks)
 
     def cost(self, level: str, seconds: float, passes: int) -> None:
         s = self.stats.level(level)
@@ -116,7 +115,7 @@ class _StepRecord:
         parents = [-1, *verdict.path[:-1]]
         ranks = [tree.children(p).index(node) for p, node in zip(parents, verdict.path)]
         self.stats.edge(proposer, verifier).observe_tree(tree.size, ranks)
-        self.trees[len(self.edges) - 1] = (tree.size, tuple(ranks))
+        self.edges[-1] = replace(self.edges[-1], candidates=tree.size, ranks=tuple(ranks))
 
     def drafted(self, level: str, draft: Draft) -> None:
         """The first level's block: its own token probabilities, and whether its stop rule ended it."""
@@ -125,8 +124,8 @@ class _StepRecord:
         self.stats.level(level).early_stops += draft.stopped_early
 
     def provenance(self, plan: StepPlan, tokens: list[int], origins: list[str]) -> StepProvenance:
-        blocks = tuple(BlockOutcome(e.proposer, e.verifier, e.proposed, e.accepted, *self.trees.get(i, ()))
-                       for i, e in enumerate(self.edges))
+        blocks = tuple(BlockOutcome(e.proposer, e.verifier, e.proposed, e.accepted, e.candidates, e.ranks)
+                       for e in self.edges)
         return StepProvenance(plan.path, tuple(tokens), tuple(origins), blocks)
 
     def feedback(self, plan: StepPlan, produced: int, seq_id: str) -> StepFeedback:

@@ -131,6 +131,9 @@ class EdgeOutcome:
     # the proposer's own (T=1) probability of each proposed token, where the proposer drafted
     # them (the path's first level); None for blocks built by verification below
     confidence: tuple[float, ...] | None = None
+    # a tree (StepPlan.tree): its nodes, and which sibling each accepted token was (0: first choice)
+    candidates: int = 0
+    ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

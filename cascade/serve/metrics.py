@@ -10,7 +10,10 @@ Meanings (vLLM's where the name is vLLM's):
 - ``spec_decode_num_drafts{edge}``: blocks proposed along ``edge`` ("proposer->verifier");
   ``spec_decode_num_draft_tokens{edge}``, ``spec_decode_num_accepted_tokens{edge}``: tokens
   proposed and accepted; ``spec_decode_num_accepted_tokens_per_pos{edge,position}``: accepted
-  tokens at each 0-based draft position.
+  tokens at each 0-based draft position. A tree's block counts its depth as proposed, and adds
+  ``spec_decode_num_tree_candidates{edge}`` (its nodes) and
+  ``spec_decode_num_accepted_tokens_per_rank{edge,position,rank}``: accepted tokens by position
+  and by which sibling they were (0: the proposer's first choice).
 - ``time_to_first_token_seconds``: arrival to the first committed token;
   ``inter_token_latency_seconds``: time between two engine steps that committed tokens for a
   request (one observation per step, as vLLM counts one per engine iteration — a step may
@@ -55,6 +58,11 @@ class Metrics:
         self.accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens at each draft position, per edge",
                                         ["edge", "position"], registry=r)
+        self.tree_candidates = Counter(p + "spec_decode_num_tree_candidates",
+                                       "Candidates scored in draft trees, per edge", ["edge"], registry=r)
+        self.accepted_per_rank = Counter(p + "spec_decode_num_accepted_tokens_per_rank",
+                                         "Accepted tree tokens by draft position and sibling rank (0: the "
+                                         "proposer's first choice), per edge", ["edge", "position", "rank"], registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to the first committed token",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between steps committing tokens",
@@ -83,6 +91,10 @@ class Metrics:
             self.accepted_tokens.labels(edge=edge).inc(outcome.accepted)
             for pos in range(outcome.accepted):
                 self.accepted_per_pos.labels(edge=edge, position=str(pos)).inc()
+            if outcome.candidates:
+                self.tree_candidates.labels(edge=edge).inc(outcome.candidates)
+                for pos, rank in enumerate(outcome.ranks):
+                    self.accepted_per_rank.labels(edge=edge, position=str(pos), rank=str(rank)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -294,3 +294,21 @@ def test_a_seed_gives_the_same_tokens_through_the_server_whatever_the_policy(cli
                                       temperature=0.8, seed=1234, extra_body={"policy": "auto"})
         text = "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
         assert text == want
+
+
+TREE = "fixed:path=[tiny, small, medium, large],tree={tiny: [3, 2, 1]},lookahead={tiny: 3, small: 5, medium: 7}"
+
+
+def test_a_tree_through_the_server_is_exact_shows_its_branch_and_counts_in_metrics(server, client, family, tokenizer):
+    prompt = "def fibonacci(n):\n"
+    want, _ = greedy_text(family, tokenizer, tokenizer.encode(prompt), 24)
+    before = server.metric("cascade:spec_decode_num_tree_candidates_total", edge="tiny->small")
+    streamed = client.completions.create(model="served", prompt=prompt, stream=True, max_tokens=24, temperature=0,
+                                         extra_body={"policy": TREE})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+    body = server.post("/v1/completions", {"model": "served", "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                           "policy": TREE, "return_provenance": True}).json()
+    assert body["choices"][0]["text"] == want
+    blocks = [b for step in body["cascade_provenance"] for b in step["blocks"] if b["proposer"] == "tiny"]
+    assert blocks and all(b["candidates"] > 0 and len(b["ranks"]) == b["accepted"] for b in blocks)
+    assert server.metric("cascade:spec_decode_num_tree_candidates_total", edge="tiny->small") > before
