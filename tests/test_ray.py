@@ -145,6 +145,19 @@ def test_identical_tokens_and_wire_cost(ray_cascade, local_cascade):
         sampled[0].stats.edges["medium->large"].proposed > 0
 
 
+def test_trees_under_ray_give_the_same_tokens(ray_cascade, local_cascade):
+    """A tree drafted by an actor and verified by another (each scoring it through the generic
+    path-by-path score_tree over the wire): the same tokens as in-process, greedy and seeded."""
+    from policies.fixed import FixedPolicy
+
+    policy = FixedPolicy(lookahead=LOOKAHEAD, path=["tiny", "small", "medium", "large"], tree={"tiny": [2, 2, 1]})
+    for kwargs in (dict(temperature=0.0), dict(temperature=0.9, seed=3, coupling="residual")):
+        remote = ray_cascade.generate(PROMPTS, max_new_tokens=16, policy=policy, **kwargs)
+        local = local_cascade.generate(PROMPTS, max_new_tokens=16, policy=policy, **kwargs)
+        assert [g.token_ids for g in remote] == [g.token_ids for g in local]
+        assert remote[0].stats.edges["tiny->small"].tree_nodes > 0
+
+
 def test_keyed_sampling_gives_the_same_tokens_under_ray(ray_cascade, local_cascade):
     """coupling="gumbel": the position keys travel in the uniforms' place and the coupling in the
     sampling tuple, so actors draw the same noise: the same tokens as in-process for each seed."""
