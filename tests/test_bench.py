@@ -345,3 +345,18 @@ def test_every_edge_into_the_authority_has_a_speculative_row(family, tmp_path, c
     assert {"cascade:authority", "cascade:ngram->large"} <= set(reports)
     assert reports["cascade:ngram->large"]["edges"] == ["ngram->large"]
     assert reports["cascade:ngram->large"]["mismatches"] == []
+
+
+def test_bench_times_a_tree_beside_its_chain(family, tmp_path, capsys):
+    topo = write_topology(tmp_path / "b.yaml", family_topology(
+        family, ["small", "large"], policy={"name": "fixed", "params": {"lookahead": {"small": 3}}}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):\n", "import os\n"]))
+    out = tmp_path / "bench"
+    code = main(["bench", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "16",
+                 "--only", "cascade:small->large", "--tree", "3,2,1", "--out", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().out
+    by_name = {r["name"]: r for r in json.loads((out / "bench.json").read_text())["reports"]}
+    assert set(by_name) == {"plain", "cascade:small->large", "cascade:small->large:tree3x2x1"}
+    tree = by_name["cascade:small->large:tree3x2x1"]
+    assert tree["mismatches"] == [] and tree["edges"] == ["small->large"]

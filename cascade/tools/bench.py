@@ -90,8 +90,10 @@ class _PassCounter:
         self.handle.remove()
 
 
-def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool = True) -> list[Config]:
-    """The configurations of the module docstring, for this topology's levels."""
+def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool = True,
+                  trees: tuple[tuple[int, ...], ...] = ()) -> list[Config]:
+    """The configurations of the module docstring, for this topology's levels; with ``trees``
+    (widths per depth), a tree row for every model edge into the authority and shape too."""
     authority = topo.authority
     hf_drafts = [lv.name for lv in topo.spec.levels if lv.kind == "hf" and lv.name != authority]
     ngram = next((lv.name for lv in topo.spec.levels if lv.kind == "ngram"), None)
@@ -106,6 +108,11 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
     for d in [lv.name for lv in topo.spec.levels if lv.name in into]:
         path = (d, authority)
         configs.append(make.cascade(f"cascade:{d}->{authority}", path, make.fixed_spec(path)))
+        if workers[d].can_score:
+            for widths in trees:
+                shape = ", ".join(map(str, widths))
+                configs.append(make.cascade(f"cascade:{d}->{authority}:tree{'x'.join(map(str, widths))}", path,
+                                            f"fixed:lookahead={{{d}: {len(widths)}}},tree={{{d}: [{shape}]}}"))
     for label, path in _multilevel_paths(hf_drafts, authority, ngram):
         for policy in (make.fixed_spec(path), "auto"):
             short = "fixed" if policy.startswith("fixed") else policy
@@ -258,7 +265,8 @@ def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repe
               out: str | Path | None = None, prompt_lookup: int = 10, only: list[str] | None = None,
               progress: bool = True, seed: int = 0, samplings: list | None = None,
               exactness_draws: int = 300, exactness_tokens: int = 2,
-              threads: int | None = DEFAULT_THREADS) -> tuple[list[ConfigReport], list[Sample]]:
+              threads: int | None = DEFAULT_THREADS, trees: tuple[tuple[int, ...], ...] = ()
+              ) -> tuple[list[ConfigReport], list[Sample]]:
     """Every configuration on every prompt, ``repeats`` times, in each sampling mode of
     ``samplings`` (:class:`cascade.sampling.Sampling`; default greedy), all interleaved; then,
     for each sampled mode, the distribution check of every configuration against plain
@@ -267,16 +275,16 @@ def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repe
     come per mode, in the order of ``samplings``."""
     with torch_threads(threads) as used:
         return _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, only, progress, seed,
-                          samplings, exactness_draws, exactness_tokens, used)
+                          samplings, exactness_draws, exactness_tokens, used, trees)
 
 
 def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, only, progress, seed, samplings,
-               exactness_draws, exactness_tokens, threads) -> tuple[list[ConfigReport], list[Sample]]:
+               exactness_draws, exactness_tokens, threads, trees=()) -> tuple[list[ConfigReport], list[Sample]]:
     from cascade.sampling import Sampling
 
     samplings = samplings or [Sampling()]
     topo, workers, tokenizer = _load(topology)
-    configs = build_configs(topo, workers, tokenizer, prompt_lookup)
+    configs = build_configs(topo, workers, tokenizer, prompt_lookup, trees=trees)
     if only:
         configs = [c for c in configs if c.name == "plain" or any(o in c.name for o in only)]
     ids = [tokenizer.encode(p) for p in prompts]
@@ -503,6 +511,9 @@ def add_parser(sub) -> None:
                         "0 = skip it (default 300)")
     p.add_argument("--exactness-tokens", type=types.positive_int, default=2,
                    help="sampled runs: leading tokens compared, jointly, by the distribution check (default 2)")
+    p.add_argument("--tree", type=types.positive_int_list, action="append", default=[], metavar="W1,W2,...",
+                   help="also time a tree of these widths per depth on every model edge into the authority "
+                        "(repeatable), beside its chain")
     p.add_argument("--out", required=True)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_main)
@@ -533,7 +544,7 @@ def _main(args) -> int:
     reports, _ = run_bench(args.topology, prompts, args.max_new_tokens, args.repeats, args.out, args.prompt_lookup,
                            args.only, progress=not args.no_progress, seed=args.seed, samplings=samplings,
                            exactness_draws=args.exactness_draws, exactness_tokens=args.exactness_tokens,
-                           threads=args.threads)
+                           threads=args.threads, trees=tuple(tuple(t) for t in args.tree))
     print((Path(args.out) / "bench.md").read_text())
     print(f"({time.perf_counter() - t0:.0f} s; report in {args.out})")
     bad = [f"{r.name} ({r.mode})" for r in reports if not r.exact]

@@ -39,7 +39,7 @@ nohup nice -n 19 python -c 'import sys; from cascade.cli import main; sys.exit(m
   --records "$WORK/record" --draft-vocab 8192 \
   --size 2x256 --out "$WORK/drafters/draft-s" --size 4x384 --out "$WORK/drafters/draft-m" \
   --steps "$STEPS" --seq-len 256 --batch-size 8 --lr 2e-3 --warmup 200 \
-  --amp bf16 --threads "$THREADS" --device cpu --save-dtype bfloat16 \
+  --amp auto --threads "$THREADS" --device cpu --save-dtype bfloat16 \
   --work-dir "$WORK/train" --checkpoint-minutes 5 --no-progress \
   >>"$WORK/train.log" 2>&1 &
 echo "started (pid $!); $0 status"
