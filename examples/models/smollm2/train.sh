@@ -6,7 +6,7 @@
 #   examples/models/smollm2/train.sh status    # running or not; the last lines of its log
 #   examples/models/smollm2/train.sh stop      # SIGTERM: checkpoint, then exit (re-run to resume)
 #
-# Students (sized by measurement, see docs/real-model.md): draft-s 2x256 and draft-m 4x384,
+# Students (sized by measurement, see docs/real-model.md): draft-s 2x256 and draft-m 2x384,
 # both over an 8,192-token draft vocabulary. Checkpoints, logs and the finished students go to
 # $SMOLLM2_WORK (default ~/.cache/cascade/work/smollm2)/train and .../drafters. STEPS fixes the
 # cosine schedule: keep it (and the records) unchanged across resumes.
@@ -14,8 +14,9 @@ set -euo pipefail
 
 cd "$(dirname "$0")/../../.."
 WORK=${SMOLLM2_WORK:-$HOME/.cache/cascade/work/smollm2}
-STEPS=${STEPS:-6000}
-THREADS=${THREADS:-1}
+STEPS=${STEPS:-360}
+WARMUP=${WARMUP:-30}
+THREADS=${THREADS:-2}
 mkdir -p "$WORK/train"
 
 running() { pgrep -f -- "--work-dir $WORK/train" >/dev/null; }
@@ -37,8 +38,8 @@ if running; then echo "already running; $0 status"; exit 0; fi
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS TOKENIZERS_PARALLELISM=false
 nohup nice -n 19 python -c 'import sys; from cascade.cli import main; sys.exit(main())' distill \
   --records "$WORK/record" --draft-vocab 8192 \
-  --size 2x256 --out "$WORK/drafters/draft-s" --size 4x384 --out "$WORK/drafters/draft-m" \
-  --steps "$STEPS" --seq-len 256 --batch-size 8 --lr 2e-3 --warmup 200 \
+  --size 2x256 --out "$WORK/drafters/draft-s" --size 2x384 --out "$WORK/drafters/draft-m" \
+  --steps "$STEPS" --seq-len 256 --batch-size 8 --lr 2e-3 --warmup "$WARMUP" \
   --amp auto --threads "$THREADS" --device cpu --save-dtype bfloat16 \
   --work-dir "$WORK/train" --checkpoint-minutes 5 --no-progress \
   >>"$WORK/train.log" 2>&1 &
