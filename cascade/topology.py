@@ -404,6 +404,7 @@ def _check_vocabularies(topo: Topology) -> None:
     auth_i = topo.spec.level_index(topo.authority)
     ref_i, ref = next(((i, lv) for i, lv in hf if i == auth_i), hf[-1])
     vocab_of: dict[int, tuple[dict[str, int] | None, int | None]] = {}
+    speaks_authority_ids: dict[int, bool] = {}
     for i, lv in hf:
         path = topo.model_path(lv)
         vocab = None
@@ -422,9 +423,13 @@ def _check_vocabularies(topo: Topology) -> None:
         except Exception as exc:  # noqa: BLE001
             raise TopologyError(f"{src}: levels[{i}].model: cannot read its config: {exc}") from None
         vocab_of[i] = (vocab, size)
+        speaks_authority_ids[i] = trimmed is not None and vocab is None
     ref_vocab, ref_size = vocab_of[ref_i]
     for i, lv in hf:
         vocab, size = vocab_of[i]
+        if speaks_authority_ids[i]:
+            # a trimmed drafter without tokenizer files: draft_vocab.json maps it to authority ids
+            vocab = ref_vocab
         if (vocab is None) != (ref_vocab is None):
             raise TopologyError(
                 f"{src}: levels[{i}].model: cannot compare vocabularies: only one of this level and "

@@ -97,6 +97,9 @@ def test_distilled_trimmed_drafter_loads_and_keeps_greedy_identity(recorded, tmp
         "policy": {"name": "fixed", "params": {"lookahead": {"draft": 4}}},
         "sampling": {"temperature": 0.0}})
     load_topology(topo)  # validate: one tokenizer, the drafter's declared authority vocabulary
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # shipped without them
+        (out / name).unlink(missing_ok=True)
+    load_topology(topo)  # draft_vocab.json says its ids are the authority's
     prompt = tok.apply_chat_template([{"role": "user", "content": "def fibonacci(n):"}], tokenize=False,
                                      add_generation_prompt=True)
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
