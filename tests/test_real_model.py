@@ -3,6 +3,8 @@ smollm2-135m-instruct`). Marked slow and real_model: the default run never downl
 these; run them with `python -m pytest -o addopts="" -m real_model` once it is in the cache."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -72,3 +74,38 @@ def test_sampled_output_follows_the_authority(authority, tmp_path):
     plain = out[:, len(ids):].tolist()
     check = check_distribution("ngram->smollm2", plain, ours, tokens=2, eos=tok.eos_token_id)
     assert check.passed, check
+
+
+def _real_topology(tmp_path, policy):
+    """topologies/smollm2.yaml with the repository's drafters, every level in float32."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    data = yaml.safe_load((root / "topologies" / "smollm2.yaml").read_text())
+    for level in data["levels"]:
+        if level.get("model", "").startswith("../"):
+            level["model"] = str((root / "topologies" / level["model"]).resolve())
+        if "model" in level:
+            level["dtype"] = "float32"
+    data["policy"] = policy
+    return write_topology(tmp_path / "smollm2.yaml", data)
+
+
+@pytest.mark.parametrize("policy", [
+    {"name": "fixed", "params": {"path": ["ngram", "draft-s", "draft-m", "smollm2"],
+                                 "lookahead": {"ngram": 2, "draft-s": 3, "draft-m": 4}}},
+    {"name": "fixed", "params": {"path": ["draft-s", "smollm2"], "lookahead": 4, "tree": {"draft-s": [3, 2, 1]}}},
+    {"name": "auto"},
+], ids=["chain", "tree", "auto"])
+def test_the_real_hierarchy_is_plain_greedy_decoding(authority, tmp_path, policy):
+    from cascade import Cascade
+
+    _, model, tok = authority
+    with Cascade.from_topology(_real_topology(tmp_path, policy)) as c:
+        for text in CHATS[:2]:
+            ids = list(_chat_ids(tok, text))
+            g = c.generate(ids, max_new_tokens=32, temperature=0.0)
+            with torch.inference_mode():
+                want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                      pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+            assert g.token_ids == want[:len(g.token_ids)], (policy, text)
