@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-DEMO = "pip install torch==2.13.0 && pip install -e . && cascade demo"
+DEMO = "pip install torch==2.13.0 && pip install -e . && cascade pull smollm2-135m-instruct && cascade demo"
 TESTS = 'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest'
 
 
