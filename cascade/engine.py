@@ -358,11 +358,8 @@ class Engine:
                  for tokens, parents in grown]
         t0 = time.perf_counter()
         worker = self.workers[level]
-        if stop is None:
-            logits, rows = None, worker.score_tree_probs(ids, prefixes, grown, sampling)
-        else:  # the stop rule reads the model's own logits
-            logits = worker.score_tree(ids, prefixes, grown)
-            rows = [sampling.probs(x) for x in logits]
+        logits, rows = _rows(stop, sampling, lambda: worker.score_tree_probs(ids, prefixes, grown, sampling),
+                             lambda: worker.score_tree(ids, prefixes, grown))
         self._price(level, seqs, policy, time.perf_counter() - t0,
                     [_Feed(p, t.size + 1, len(p), 1, t.size + 1) for p, t in zip(prefixes, trees)])
         verdicts = _tree_verdicts(sampling, trees, rows, [s.draws(sampling, t.max_depth + 1) for s, t in zip(seqs, trees)])
@@ -413,13 +410,8 @@ class Engine:
         tokens = [s.prefix + s.tokens + b.tokens for s, b in zip(seqs, blocks)]
         positions = [len(b.tokens) + 1 for b in blocks]
         t0 = time.perf_counter()
-        if stop is None:
-            # Only the sampling rows are needed: a remote worker warps next to the model and
-            # ships the nonzero entries alone.
-            logits, rows = None, worker.score_probs(ids, tokens, positions, sampling)
-        else:  # the stop rule reads the model's own logits
-            logits = worker.score(ids, tokens, positions)
-            rows = [sampling.probs(x) for x in logits]
+        logits, rows = _rows(stop, sampling, lambda: worker.score_probs(ids, tokens, positions, sampling),
+                             lambda: worker.score(ids, tokens, positions))
         self._price(level, seqs, policy, time.perf_counter() - t0,
                     [_Feed(t, m, len(t), 1, m) for t, m in zip(tokens, positions)])
         return logits, rows
@@ -571,6 +563,16 @@ class Batch:
         for state in self.active:
             state.finish_reason = state.finish_reason or "cancelled"
         self._retire()
+
+
+def _rows(stop: StopRule | None, sampling: Sampling, probs, logits) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
+    """A verifying call's sampling rows, and the level's logits where a stop rule reads them
+    (else None). Without a stop rule only the rows are asked for (``probs()``): a remote worker
+    then warps next to the model and ships the nonzero entries alone."""
+    if stop is None:
+        return None, probs()
+    out = logits()
+    return out, [sampling.probs(x) for x in out]
 
 
 def _tree_verdicts(sampling: Sampling, trees: list, target_probs: list[torch.Tensor],
