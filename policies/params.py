@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Union
 
 from pydantic import (
-    AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Strict, Tag, ValidationError,
+    AfterValidator, AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Strict, Tag, ValidationError,
 )
 
 from cascade.errors import describe
@@ -46,7 +46,21 @@ Unit = Annotated[Float, Field(ge=0.0, le=1.0)]  # a probability, share or rate i
 Lookahead = Annotated[Int, Field(ge=1, le=64)]
 LevelName = Annotated[str, Strict()]
 # a draft tree's shape: candidates below every node at each depth (cascade/tree.py), e.g. [3, 2, 1]
-TreeShape = Annotated[list[Annotated[Int, Field(ge=1, le=16)]], Field(min_length=1, max_length=32)]
+MAX_TREE_NODES = 256  # what one verifying pass may be asked to score per sequence (a request names it)
+
+
+def _tree_nodes(widths: list[int]) -> list[int]:
+    nodes, level = 0, 1
+    for w in widths:
+        level *= w
+        nodes += level
+        if nodes > MAX_TREE_NODES:
+            raise ValueError(f"a tree of widths {widths} has more than {MAX_TREE_NODES} nodes")
+    return widths
+
+
+TreeShape = Annotated[list[Annotated[Int, Field(ge=1, le=16)]], Field(min_length=1, max_length=32),
+                      AfterValidator(_tree_nodes)]
 
 # Tags of the per-level union: left out of the field path in messages.
 _ONE, _EACH = "for every level", "per level"

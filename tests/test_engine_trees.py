@@ -78,3 +78,13 @@ def test_provenance_shows_the_branch_taken(four, tokenizer):
     for s in steps:  # accepted tokens are small's, the last of each step large's own
         accepted = s["blocks"][0]["accepted"]
         assert s["origins"][:accepted] == ["small"] * accepted and s["origins"][accepted] == "large"
+
+
+def test_a_tree_is_bounded_in_size():
+    """A request may name a tree (a policy spec over HTTP): its nodes per pass are bounded."""
+    from policies import from_spec
+    from policies.base import PolicyError
+
+    with pytest.raises(PolicyError, match="more than 256 nodes"):
+        from_spec("fixed:tree={small: [16, 16, 16]}")
+    assert from_spec("fixed:tree={small: [4, 4, 4, 2]}").tree_param == {"small": (4, 4, 4, 2)}  # 212 nodes
