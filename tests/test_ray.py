@@ -146,16 +146,56 @@ def test_identical_tokens_and_wire_cost(ray_cascade, local_cascade):
 
 
 def test_trees_under_ray_give_the_same_tokens(ray_cascade, local_cascade):
-    """A tree drafted by an actor and verified by another (each scoring it through the generic
-    path-by-path score_tree over the wire): the same tokens as in-process, greedy and seeded."""
+    """A tree drafted by an actor and verified by another, each in one remote call per tree
+    (RayWorker.draft_tree, score_tree_probs): the same tokens as in-process, greedy and seeded,
+    and greedy is plain decoding by the authority."""
     from policies.fixed import FixedPolicy
 
+    plain = local_cascade.generate(PROMPTS, max_new_tokens=16, temperature=0.0, policy=FixedPolicy(path=["large"]))
     policy = FixedPolicy(lookahead=LOOKAHEAD, path=["tiny", "small", "medium", "large"], tree={"tiny": [2, 2, 1]})
     for kwargs in (dict(temperature=0.0), dict(temperature=0.9, seed=3, coupling="residual")):
+        ray_cascade.backend.reset_wire_stats()
         remote = ray_cascade.generate(PROMPTS, max_new_tokens=16, policy=policy, **kwargs)
         local = local_cascade.generate(PROMPTS, max_new_tokens=16, policy=policy, **kwargs)
         assert [g.token_ids for g in remote] == [g.token_ids for g in local]
-        assert remote[0].stats.edges["tiny->small"].tree_nodes > 0
+        if kwargs["temperature"] == 0.0:
+            assert [g.token_ids for g in remote] == [g.token_ids for g in plain]
+        edges = [g.stats.edges["tiny->small"] for g in remote]
+        assert all(e.tree_nodes > 0 for e in edges)
+        # One draft_tree call per non-empty tree (path by path: 1 + 2 + 4 score calls for
+        # [2, 2, 1]); the verifier one score_tree_probs per tree round (path by path: 4 calls
+        # per tree), and its empty-tree rounds (the block's last token) are at most one per block
+        # it proposed to medium.
+        trees = sum(e.blocks for e in edges)
+        assert ray_cascade.workers["tiny"].wire.calls == trees
+        small_blocks = sum(g.stats.edges["small->medium"].blocks for g in remote)
+        assert trees <= ray_cascade.workers["small"].wire.calls <= trees + small_blocks
+        assert ray_cascade.workers["small"].wire.resyncs == 0
+
+
+def test_a_two_level_tree_under_ray_is_one_call_per_pass(ray_cluster, family, tmp_path, local_cascade):
+    """small drafts [2, 2] trees for the authority: every step is one tree round, so each actor
+    is called once per step (path by path over the wire: 3 calls to grow, 4 to score each tree)."""
+    from policies.fixed import FixedPolicy
+
+    path = topology(tmp_path, family, "tree", levels=["small", "large"], cpus=0.1)
+    def policy():  # a policy object serves one topology
+        return FixedPolicy(path=["small", "large"], tree={"small": [2, 2]})
+
+    expected = local_cascade.generate(PROMPTS, max_new_tokens=16, temperature=0.0, policy=FixedPolicy(path=["large"]))
+    with Cascade.from_topology(path, backend="local") as c:
+        local = c.generate(PROMPTS, max_new_tokens=16, temperature=0.0, policy=policy())
+    with Cascade.from_topology(path) as c:
+        assert type(c.workers["large"]).__name__ == "RayWorker"
+        c.backend.reset_wire_stats()
+        remote = c.generate(PROMPTS, max_new_tokens=16, temperature=0.0, policy=policy())
+        wire = {name: c.workers[name].wire for name in ("small", "large")}
+    assert [g.token_ids for g in remote] == [g.token_ids for g in local] == [g.token_ids for g in expected]
+    steps = sum(g.stats.steps for g in remote)
+    trees = sum(g.stats.edges["small->large"].blocks for g in remote)
+    assert trees > 0 and sum(g.stats.edges["small->large"].tree_nodes for g in remote) > trees
+    assert wire["large"].calls == steps
+    assert wire["small"].calls == trees <= steps
 
 
 def test_keyed_sampling_gives_the_same_tokens_under_ray(ray_cascade, local_cascade):

@@ -13,7 +13,9 @@ and the actor answers with sampling rows, not logits: warping happens next to th
 the nonzero entries travel, so a greedy row is one (index, value) pair. Verification needs
 exactly those rows (cascade/DESIGN.md §2); nothing is rounded, so results are bit-identical to the
 in-process backend. Messages are plain tuples of ints and bytes, which Ray pickles fastest
-(the format: :mod:`cascade.backends.wire`).
+(the format: :mod:`cascade.backends.wire`). Trees travel as (tokens, parents) lists of ints: a
+tree is drafted (``draft_tree``) and scored (``score_tree``, ``score_tree_probs``) in one call
+each, by the actor's worker as in-process, not path by path over the wire.
 A level with a stop rule gets logits instead (the rule reads the model's own distribution).
 
 Faults. Actors restart up to ``ray.max_restarts`` times and Ray re-runs the interrupted call on
@@ -164,6 +166,26 @@ class LevelActor:
         return [(d.tokens, pack_rows(d.probs), d.forward_passes,
                  {f.name: getattr(d, f.name) for f in dataclasses.fields(d)[3:]}) for d in drafts]
 
+    def score_tree(self, seq_ids, keeps, suffixes, trees):
+        seqs = self._sequences(seq_ids, keeps, suffixes)
+        if seqs is None:
+            return None
+        return [pack_rows(r) for r in self.worker.score_tree(seq_ids, seqs, trees)]
+
+    def score_tree_probs(self, seq_ids, keeps, suffixes, trees, sampling: dict[str, Any]):
+        seqs = self._sequences(seq_ids, keeps, suffixes)
+        if seqs is None:
+            return None
+        rows = self.worker.score_tree_probs(seq_ids, seqs, trees, self._sampling(sampling))
+        return [pack_rows(r) for r in rows]
+
+    def draft_tree(self, seq_ids, keeps, suffixes, widths):
+        seqs = self._sequences(seq_ids, keeps, suffixes)
+        if seqs is None:
+            return None
+        # (tokens, parents) per sequence: lists of ints, as Worker.draft_tree returns them
+        return [(list(tokens), list(parents)) for tokens, parents in self.worker.draft_tree(seq_ids, seqs, widths)]
+
     def release(self, seq_ids):
         for s in seq_ids:
             self.tokens.pop(s, None)
@@ -213,6 +235,28 @@ class RayWorker(Worker):
             drafts.append(Draft(tokens, unpack_rows(packed), passes, **more))
         return drafts
 
+    def score_tree(self, seq_ids, token_ids, trees) -> list[torch.Tensor]:
+        """:meth:`Worker.score_tree` in one call to the actor, which scores the trees as its
+        worker does in-process (one forward pass where the model allows it)."""
+        packed = self._call_seqs("score_tree", seq_ids, token_ids, self._wire_trees(trees))
+        return self._unpack_rows(packed)
+
+    def score_tree_probs(self, seq_ids, token_ids, trees, sampling: Sampling) -> list[torch.Tensor]:
+        packed = self._call_seqs("score_tree_probs", seq_ids, token_ids, self._wire_trees(trees),
+                                 sampling.model_dump())
+        return self._unpack_rows(packed)
+
+    def draft_tree(self, seq_ids, token_ids, widths) -> list[tuple[list[int], list[int]]]:
+        """:meth:`Worker.draft_tree` in one call: the actor grows the trees depth by depth next to
+        the model and sends back only their (tokens, parents)."""
+        widths = [[int(w) for w in ws] for ws in widths]
+        if not any(widths):  # no depth to grow anywhere: empty trees, as in-process, without a call
+            return [([], []) for _ in widths]
+        self.wire.sent += sum(4 * len(w) + 8 for w in widths)
+        grown = self._call_seqs("draft_tree", seq_ids, token_ids, widths)
+        self.wire.received += sum(4 * (len(tokens) + len(parents)) + 8 for tokens, parents in grown)
+        return [(list(tokens), list(parents)) for tokens, parents in grown]
+
     def release(self, seq_ids: Sequence[str]) -> None:
         for s in seq_ids:
             self._sent.pop(s, None)
@@ -235,6 +279,15 @@ class RayWorker(Worker):
         self.wire.received += sum(packed_nbytes(p) for p in packed)
         self.wire.rows_dense += sum(dense_nbytes(p) for p in packed)
         return [unpack_rows(p) for p in packed]
+
+    def _wire_trees(self, trees) -> list[tuple[list[int], list[int]]]:
+        """Trees as (tokens, parents) lists of ints, checked (:func:`workers.trees.as_tree`), for
+        the wire; their bytes are counted as sent."""
+        from workers.trees import as_tree
+
+        out = [as_tree(t) for t in trees]
+        self.wire.sent += sum(4 * 2 * len(tokens) + 8 for tokens, _ in out)
+        return out
 
     def _call_seqs(self, method: str, seq_ids, token_ids, *args):
         """Call ``method`` sending each sequence as (kept prefix length, new tokens); if the actor
