@@ -1,7 +1,9 @@
 """The playground: ``GET /`` serves one self-contained page (``static/playground.html``: plain
 HTML, CSS and JavaScript, no build step, nothing fetched from elsewhere) that streams a
 completion with ``return_provenance`` and colours each token by the level whose draft it came
-from; ``GET /playground/topology`` tells it the levels, their order and the authority.
+from (a tree's block is noted with its candidates and the sibling rank of each accepted token,
+and a token accepted from a later sibling is marked); ``GET /playground/topology`` tells it the
+levels, their order and the authority.
 """
 from __future__ import annotations
 

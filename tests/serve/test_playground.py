@@ -4,7 +4,8 @@
 
 Checked against the API for the same request: the page's text is the greedy output, its side
 panel's acceptance per edge is the response's statistics, and at least two levels' colours
-appear. An error reaches the page as a message. The screenshot goes to
+appear. A tree policy's blocks carry their notes (candidates, ranks) and the tokens accepted
+from a later sibling are marked. An error reaches the page as a message. The screenshot goes to
 examples/reports/playground.png (shown in the README)."""
 from __future__ import annotations
 
@@ -145,6 +146,48 @@ def test_the_page_shows_the_greedy_output_coloured_by_provenance(server, browser
     # the topology's own (adaptive) policy: other paths, the same greedy text
     page = _submit(browser, spec=None)
     assert page["text"] == expected == page["received"]
+
+
+# trees drafted by tiny ([2, 2]: 2 children below the root and below each of those, 6 nodes)
+TREE_SPECS = ["fixed:path=[tiny, large],tree={tiny: [2, 2]}",  # every step one tree round
+              "fixed:lookahead={tiny: 3, small: 5, medium: 8},tree={tiny: [2, 2]}"]  # trees below small
+
+
+def _tree_page(driver) -> dict:
+    return driver.execute_script(
+        """return {notes: [...document.querySelectorAll('#paths .tree')].map((e) => e.textContent),
+                   ranked: [...document.querySelectorAll('#output .tok[data-rank]')].map(
+                       (t) => ({level: t.dataset.level, rank: +t.dataset.rank, sibling: t.classList.contains('sibling'),
+                                bar: getComputedStyle(t).boxShadow})),
+                   treeSteps: document.querySelectorAll('#output .step[data-trees]').length};""")
+
+
+@pytest.mark.parametrize("spec", TREE_SPECS, ids=["tiny-large", "chain"])
+def test_a_tree_step_shows_its_candidates_and_the_branch_taken(server, browser, spec):
+    """A tree's block is noted with its size and the sibling rank of each accepted token (the
+    response's provenance), and a token accepted from a later sibling is marked."""
+    browser.get(server.url + "/")
+    _wait(browser, "return document.body.dataset.state === 'ready'", 30, "the topology to load")
+    page = _submit(browser, spec=spec)
+    api = _api(server, policy=spec, return_provenance=True)
+    assert page["text"] == api["choices"][0]["text"]
+    tree = _tree_page(browser)
+    steps = api["cascade_provenance"]
+    blocks = [b for step in steps for b in step["blocks"] if "candidates" in b]
+    assert blocks and all(b["candidates"] == 6 or b["candidates"] == 2 for b in blocks), blocks
+    assert tree["notes"] == [f"tree: {b['candidates']} candidates, ranks " + ("·".join(map(str, b["ranks"])) or "–")
+                             for b in blocks]
+    assert tree["treeSteps"] == sum(1 for step in steps if any("candidates" in b for b in step["blocks"]))
+    for t in tree["ranked"]:  # a marked token: from tiny; a bar under it exactly when not the first choice
+        assert t["level"] == "tiny" and t["sibling"] == (t["rank"] > 0) and (t["bar"] != "none") == t["sibling"], t
+    if spec == TREE_SPECS[0]:
+        # one tree per step, verified by the authority: its accepted tokens are the step's first
+        expected = [r for step in steps for b in step["blocks"] for r, tok in zip(b["ranks"], step["tokens"])
+                    if tok["text"]]
+        assert [t["rank"] for t in tree["ranked"]] == expected
+        assert any(r > 0 for r in expected), "no token accepted from a later sibling: nothing to mark"
+    else:  # above small the branches are cut further: at most every accepted tree token is marked
+        assert 0 < len(tree["ranked"]) <= sum(b["accepted"] for b in blocks)
 
 
 def test_an_error_reaches_the_page_as_a_message(server, browser):
