@@ -39,7 +39,7 @@ import torch
 from cascade.errors import RequestError, WorkerError
 from cascade.sampling import Sampling, SamplingOverride
 from cascade.stats import BlockOutcome, RequestStats, StepProvenance, cut_provenance
-from cascade.verify import Verdict, verify_block, verify_block_keyed
+from cascade.verify import Verdict, verify_block_keyed, verify_blocks
 from policies.base import (DraftStep, EdgeOutcome, PassCost, PlanContext, Policy, PolicyError, StepFeedback,
                            StepPlan, StopRule, draft_step)
 from workers.base import Draft, Worker, common_prefix
@@ -144,7 +144,7 @@ class _Seq:
     prefix: list[int]
     budget: int
     tokens: list[int] = field(default_factory=list)
-    rows: list[torch.Tensor] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)  # [k, vocab] chunks, a row per token
     origins: list[str] = field(default_factory=list)
     last: DraftStep | None = None  # the block's previous step, for the stop rule
     stopped: bool = False  # the stop rule ended the block
@@ -159,7 +159,9 @@ class _Seq:
         return _Seq(self.state, self.record, self.prefix + self.tokens if budget else [], budget)
 
     def probs(self) -> torch.Tensor | None:  # [len(tokens), vocab]
-        return torch.stack(self.rows) if self.rows else None
+        if len(self.rows) > 1:
+            self.rows = [torch.cat(self.rows)]
+        return self.rows[0] if self.rows else None
 
     def draws(self, sampling: Sampling, n: int) -> torch.Tensor:  # [n] float64
         """The sequence's randomness for its next ``n`` positions (cascade/sampling.py)."""
@@ -169,16 +171,20 @@ class _Seq:
              logits: torch.Tensor | None, stop: StopRule | None) -> None:
         """Append a round's tokens with the rows they were sampled from and their origins.
         ``stop`` (never the authority's) may end the block after any of them short of the budget."""
-        for j, tok in enumerate(tokens):
-            self.tokens.append(tok)
-            self.rows.append(rows[j])
-            self.origins.append(origins[j])
-            if stop is not None and len(self.tokens) < self.budget:
-                self.last = draft_step(len(self.tokens) - 1, logits[j], tok, previous=self.last)
+        kept = len(tokens)
+        if stop is not None:
+            for j, tok in enumerate(tokens):
+                if len(self.tokens) + j + 1 >= self.budget:
+                    break
+                self.last = draft_step(len(self.tokens) + j, logits[j], tok, previous=self.last)
                 if stop.should_stop(self.last):
                     self.record.stats.level(level).early_stops += 1
                     self.stopped = True
-                    return
+                    kept = j + 1
+                    break
+        self.tokens.extend(tokens[:kept])
+        self.rows.append(rows[:kept])
+        self.origins.extend(origins[:kept])
 
 
 class _Feed(NamedTuple):
@@ -316,15 +322,14 @@ class Engine:
                 blocks = self._blocks_below(active, i, plan, policy)  # draft
                 logits, target_probs = self._score(level, active, blocks, sampling, stop, policy)  # verify
                 draws = [s.draws(sampling, len(b.tokens) + 1) for s, b in zip(active, blocks)]
-                alone = self._sample_alone(sampling, blocks, target_probs, draws)
-                for a, (s, b) in enumerate(zip(active, blocks)):
+                # nothing proposed: the verdict is the level's own sample (accepted 0, a bonus)
+                verdicts = _verdicts(sampling, [b.tokens for b in blocks], [b.probs() for b in blocks],
+                                     target_probs, draws)
+                for a, (s, b, verdict) in enumerate(zip(active, blocks, verdicts)):
                     if b.tokens:
-                        verdict = _verdict(sampling, b.tokens, b.probs(), target_probs[a], draws[a])
                         s.record.edge(plan.path[i - 1], level, len(b.tokens), verdict.accepted)
-                        tokens = b.tokens[: verdict.accepted] + [verdict.next_token]
-                        origins = b.origins[: verdict.accepted] + [level]  # accepted drafts keep theirs
-                    else:  # nothing proposed: the level sampled one token itself
-                        tokens, origins = [alone[a]], [level]
+                    tokens = b.tokens[: verdict.accepted] + [verdict.next_token]
+                    origins = b.origins[: verdict.accepted] + [level]  # accepted drafts keep theirs
                     s.emit(level, tokens, target_probs[a], origins,  # commit to this level's block
                            None if logits is None else logits[a], None if top else stop)
                 if top:
@@ -397,7 +402,7 @@ class Engine:
                            d.forward_passes, d.forward_passes) for s, d in zip(seqs, drafts)])
         for s, d in zip(seqs, drafts):
             s.tokens, s.origins = list(d.tokens), [level] * len(d.tokens)
-            s.rows = list(d.probs) if d.tokens else []
+            s.rows = [d.probs] if d.tokens else []
             s.record.drafted(level, d)
 
     def _score(self, level: str, seqs: list[_Seq], blocks: list[_Seq], sampling: Sampling,
@@ -415,17 +420,6 @@ class Engine:
         self._price(level, seqs, policy, time.perf_counter() - t0,
                     [_Feed(t, m, len(t), 1, m) for t, m in zip(tokens, positions)])
         return logits, rows
-
-    @staticmethod
-    def _sample_alone(sampling: Sampling, blocks: list[_Seq], target_probs: list[torch.Tensor],
-                      draws: list[torch.Tensor]) -> dict[int, int]:
-        """Sequences with nothing proposed sample one token each from the level: all in one call."""
-        alone = [a for a, b in enumerate(blocks) if not b.tokens]
-        if not alone:
-            return {}
-        picked = sampling.draw(torch.stack([target_probs[a][0] for a in alone]),
-                               torch.stack([draws[a][0] for a in alone]))
-        return dict(zip(alone, picked.tolist()))
 
     @staticmethod
     def _price(level: str, seqs: list[_Seq], policy: Policy, seconds: float, fed: list[_Feed]) -> None:
@@ -588,10 +582,13 @@ def _tree_verdicts(sampling: Sampling, trees: list, target_probs: list[torch.Ten
     return [verify_tree_keyed(t, m) for t, m in zip(trees, mine.split([t.size + 1 for t in trees]))]
 
 
-def _verdict(sampling: Sampling, tokens: list[int], draft_probs: torch.Tensor | None,
-             target_probs: torch.Tensor, draws: torch.Tensor) -> Verdict:  # [n, vocab], [n + 1, vocab], [n + 1]
-    """The speculative rule, or (a keyed coupling) keep drafts while they equal the level's own
-    keyed draws: either way the emitted tokens are exact samples of the level."""
+def _verdicts(sampling: Sampling, tokens: list[list[int]], draft_probs: list[torch.Tensor | None],
+              target_probs: list[torch.Tensor], draws: list[torch.Tensor]) -> list[Verdict]:
+    """Per sequence ``tokens [n]``, ``draft_probs [n, vocab]`` (None when n = 0), ``target_probs
+    [n + 1, vocab]``, ``draws [n + 1]``: the speculative rule, or (a keyed coupling) keep drafts
+    while they equal the level's own keyed draws, all rows' draws in one call. Either way the
+    emitted tokens are exact samples of the level."""
     if sampling.rule.keyed:
-        return verify_block_keyed(tokens, sampling.draw(target_probs, draws).tolist())
-    return verify_block(tokens, draft_probs, target_probs, draws)
+        mine = sampling.draw(torch.cat(target_probs), torch.cat(draws)).split([len(t) + 1 for t in tokens])
+        return [verify_block_keyed(t, m.tolist()) for t, m in zip(tokens, mine)]
+    return verify_blocks(tokens, draft_probs, target_probs, draws)

@@ -107,6 +107,11 @@ def verify_ignoring_draft_probs(draft_tokens, draft_probs, target_probs, uniform
     return Verdict(n, int(sample_with_uniform(target_probs[n], uniforms[n])), True)
 
 
+def per_row(rule):
+    """A one-block rule (``verify_block``'s signature) in ``verify_blocks``' place, for the engine."""
+    return lambda *rows: [rule(*row) for row in zip(*rows)]
+
+
 def trees_without_residual(sampling, trees, target_probs, draws):
     """:func:`tree_without_residual` for a batch, in the engine's ``_tree_verdicts``' place."""
     return [tree_without_residual(sampling, t, p, d) for t, p, d in zip(trees, target_probs, draws)]

@@ -26,11 +26,8 @@ class TableWorker(Worker):
 
     def score(self, seq_ids, token_ids, num_positions):
         self.calls += 1
-        out = []
-        for tokens, n in zip(token_ids, num_positions):
-            last = torch.as_tensor(list(tokens[len(tokens) - n:]), dtype=torch.long)
-            out.append(self.table[last])
-        return out
+        last = [t for tokens, n in zip(token_ids, num_positions) for t in tokens[len(tokens) - n:]]
+        return list(self.table[torch.as_tensor(last, dtype=torch.long)].split(list(num_positions)))
 
     def score_tree(self, seq_ids, token_ids, trees):
         """A bigram's row after a node is the table's row of the node's token: every node of

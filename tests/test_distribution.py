@@ -6,8 +6,8 @@ make 100k draws cheap. The levels are peaked and disagree, so a wrong acceptance
 that ignores draft_probs, or keeps every draft) fails the same bound — checked below.
 
 The draws run 64 requests at a time (tests/draws.py says why that is the distribution of one
-request alone too, at half the cost). The adaptive policies, whose batched decisions do depend
-on the batch, are drawn one request at a time (test_distribution_policies.py).
+request alone too, at half the cost). The adaptive policies' batched decisions depend on the
+batch; test_distribution_policies.py draws them batched and `auto` one request at a time too.
 
 Each case names its coupling: ``"residual"``, the speculative rule, which a request without a
 seed gets by default; or none, the default path of a seeded request, which is the keyed
@@ -24,7 +24,7 @@ import pytest
 import cascade.engine
 from cascade import Cascade
 from draws import (BATCH, KEYED_CASES, MAX_NEW, NGRAM_POLICY, NGRAM_PROMPT, PROMPT, RESIDUAL_CASES, accept_every_draft,
-                   draw_pairs, exact_pairs, table_topology, verify_ignoring_draft_probs)
+                   draw_pairs, exact_pairs, per_row, table_topology, verify_ignoring_draft_probs)
 from stats_util import chi_square_pvalue, total_variation
 
 CASES = [("residual", *case) for case in RESIDUAL_CASES] + [(None, *case) for case in KEYED_CASES]
@@ -60,7 +60,7 @@ def test_joint_distribution_with_ngram_bottom_level(tmp_path):
 
 
 @pytest.mark.parametrize("coupling,rule,wrong,depth", [
-    ("residual", "verify_block", verify_ignoring_draft_probs, 4),
+    ("residual", "verify_blocks", per_row(verify_ignoring_draft_probs), 4),
     (None, "verify_block_keyed", accept_every_draft, 2),  # the seeded default path: keyed
 ], ids=["residual", "keyed"])
 def test_wrong_rule_fails_the_same_bound(tmp_path, monkeypatch, coupling, rule, wrong, depth):

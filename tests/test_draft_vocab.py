@@ -11,7 +11,7 @@ import torch
 import cascade.engine
 from cascade import Cascade
 from conftest import make_llama, write_topology
-from draws import exact_pairs, verify_ignoring_draft_probs
+from draws import exact_pairs, per_row, verify_ignoring_draft_probs
 from stats_util import chi_square_pvalue, total_variation
 from workers.draft_vocab import FILE, DraftVocab
 from workers.hf import HFWorker
@@ -90,7 +90,7 @@ def test_trimmed_drafter_output_is_exact(tmp_path, trimmed):
 
 
 def test_trimmed_drafter_negative_control(tmp_path, trimmed, monkeypatch):
-    monkeypatch.setattr(cascade.engine, "verify_block", verify_ignoring_draft_probs)
+    monkeypatch.setattr(cascade.engine, "verify_blocks", per_row(verify_ignoring_draft_probs))
     n = 20_000
     counts = _draw(_topology(tmp_path, trimmed), n, seed=4, temperature=1.0)
     _, pvalue = chi_square_pvalue(counts, exact_pairs(2, 1.0, 0, 1.0), n)

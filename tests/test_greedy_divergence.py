@@ -81,8 +81,8 @@ def test_an_inexact_rule_is_caught_under_a_bf16_authority(family, tokenizer, tmp
     from cascade.verify import Verdict
 
     def accept_all(sampling, tokens, draft_probs, target_probs, draws):
-        return Verdict(len(tokens), int(target_probs[len(tokens)].argmax()), True)
+        return [Verdict(len(t), int(p[len(t)].argmax()), True) for t, p in zip(tokens, target_probs)]
 
-    monkeypatch.setattr(engine, "_verdict", accept_all)
+    monkeypatch.setattr(engine, "_verdicts", accept_all)
     found = _bf16_cascade_divergences(family, tokenizer, tmp_path)
     assert any(d is not None and not d.near_tie for d in found)

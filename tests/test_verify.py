@@ -111,6 +111,27 @@ def test_matches_naive_reference_on_random_blocks():
         assert (got.accepted, got.next_token) == naive_verify(tokens, draft_probs, target_probs, uniforms), trial
 
 
+def test_a_batch_gives_each_rows_verdict_bit_for_bit():
+    """verify_blocks verifies a ragged batch in a few tensor operations: the verdicts are
+    verify_block's, row by row, with float32 and float64 rows, zero-mass drafts and residuals
+    that vanish (target == draft), so seeded tokens do not depend on the batch."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(60):
+        batch = []
+        for _ in range(int(torch.randint(1, 9, (1,), generator=g))):
+            n = int(torch.randint(0, 5, (1,), generator=g))
+            dtype = torch.float32 if torch.rand(1, generator=g) < 0.5 else torch.float64
+            draft = torch.softmax(torch.randn(n, V, generator=g, dtype=torch.float64) * 3, -1).to(dtype)
+            target = torch.softmax(torch.randn(n + 1, V, generator=g, dtype=torch.float64) * 3, -1).to(dtype)
+            if n and torch.rand(1, generator=g) < 0.3:
+                target[0] = draft[0]  # a residual of zero mass: falls back to the target row
+            tokens = [int(torch.multinomial(draft[j].double(), 1, generator=g)) for j in range(n)]
+            uniforms = torch.rand(n + 1, generator=g, dtype=torch.float64)
+            batch.append((tokens, draft if n else None, target, uniforms))
+        expected = [verify_block(*row) for row in batch]
+        assert verify_blocks(*zip(*batch)) == expected, trial
+
+
 def test_sampling_probs_greedy_is_one_hot_at_first_argmax():
     logits = torch.tensor([[1.0, 3.0, 3.0, -1.0]])
     assert sampling_probs(logits, 0.0).tolist() == [[0.0, 1.0, 0.0, 0.0]]
