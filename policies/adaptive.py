@@ -13,9 +13,9 @@ import networkx as nx
 from pydantic import Field, StrictBool
 
 from policies.base import PassCost, PlanContext, Policy, StepFeedback, StepPlan, longest_path
-from policies.estimates import Calibration, Estimates
+from policies.estimates import Calibration, Estimates, tree_passes
 from policies.fixed import check_path
-from policies.params import Float, Int, Lookahead, PathParams, PolicyParams, Unit
+from policies.params import Float, Int, Lookahead, PathParams, PolicyParams, TreeShape, Unit
 from policies.stops import CalibratedStop, ConfidenceStop, EntropyStop
 
 
@@ -62,6 +62,9 @@ class EscalationParams(CostParams):
     draft_margin: Unit = Field(0.1, description="A drafting path must be priced this much cheaper than none.")
     probe_backoff: Annotated[Int, Field(ge=1)] = Field(
         8, description="Probe interval grows up to this many times probe_every while the choice holds.")
+    trees: list[TreeShape] = Field(
+        [], max_length=4, description="Tree shapes (widths per depth) priced beside the chain on every path whose "
+        "first level can score: a step takes one where it is priced cheapest.")
 
 
 class AutoParams(EscalationParams):
@@ -72,6 +75,9 @@ class AutoParams(EscalationParams):
     stop_threshold: Unit | None = Field(
         None, description="Fixed block-survival threshold for the stop (null: derived from the costs).")
     price_lookahead: Lookahead = Field(12, description="Block length paths are priced with.")
+    trees: list[TreeShape] = Field(
+        [[2, 2, 1, 1], [3, 2, 2, 1]], max_length=4, description="Tree shapes (widths per depth) priced beside the "
+        "chain on every path whose first level can score: a step takes one where it is priced cheapest.")
 
 
 class _PathMixin:
@@ -267,6 +273,32 @@ class EscalationPolicy(CostAwarePolicy):
         self._all_paths: dict[frozenset[str], list[tuple[str, ...]]] = {}
         self.reprice_every = 8
         self._prices: dict[tuple, tuple[int, object]] = {}  # key -> (plan number when priced, prices)
+        self.trees = [tuple(t) for t in p.trees]
+        self._tree_turn: dict[tuple[str, ...], int] = {}  # probes of a path go round its chain and trees
+
+    def _shapes(self, ctx: PlanContext, path: tuple[str, ...]) -> list[tuple[int, ...] | None]:
+        """The first edge's choices on ``path``: a chain (None), or a tree of each shape where
+        the first level can score (an n-gram level cannot)."""
+        if not self.trees or len(path) < 2 or ctx.graph.nodes[path[0]].get("kind") == "ngram":
+            return [None]
+        return [None, *self.trees]
+
+    def _price_paths(self, ctx: PlanContext, candidates, max_lookahead: int, estimates: Estimates):
+        """path -> (seconds per token, lookahead, tree shape or None): the cheapest of its shapes."""
+        priced = {}
+        for path in candidates:
+            for shape in self._shapes(ctx, path):
+                cost, lookahead = estimates.path_cost(path, max_lookahead, batch=ctx.batch_size, tree=shape)
+                if path not in priced or cost < priced[path][0]:
+                    priced[path] = (cost, lookahead, shape)
+        return priced
+
+    def _probe_shape(self, ctx: PlanContext, path: tuple[str, ...]) -> tuple[int, ...] | None:
+        """A probe of ``path`` measures its chain and its trees in turn."""
+        shapes = self._shapes(ctx, path)
+        turn = self._tree_turn.get(path, 0)
+        self._tree_turn[path] = turn + 1
+        return shapes[turn % len(shapes)]
 
     def _candidates(self, ctx: PlanContext) -> list[tuple[str, ...]]:
         if ctx.available not in self._all_paths:
@@ -283,12 +315,13 @@ class EscalationPolicy(CostAwarePolicy):
         estimates.costs = self.estimates.costs  # costs are measured per level whatever the context
         return estimates
 
-    def _choose(self, ctx: PlanContext, max_lookahead: int) -> tuple[tuple[str, ...], dict[str, int], str]:
-        """(path, lookahead up to ``max_lookahead``, kind): kind is "probe", "explore" or "exploit"."""
+    def _choose(self, ctx: PlanContext, max_lookahead: int
+                ) -> tuple[tuple[str, ...], dict[str, int], str, tuple[int, ...] | None]:
+        """(path, lookahead up to ``max_lookahead``, kind, tree shape of the first edge or None):
+        kind is "probe", "explore" or "exploit"."""
         candidates = self._candidates(ctx)
         priced = self._priced(("paths", ctx.available, ctx.batch_size, max_lookahead),
-                              lambda estimates: {p: estimates.path_cost(p, max_lookahead, batch=ctx.batch_size)
-                                                 for p in candidates})
+                              lambda estimates: self._price_paths(ctx, candidates, max_lookahead, estimates))
         self._plans += 1
         # A probe step runs the whole batch on a path that is probably worse, and teaches in
         # proportion to the batch: so probes come every ``probe_every`` steps of one sequence
@@ -302,11 +335,16 @@ class EscalationPolicy(CostAwarePolicy):
             if not self._probes:  # the round's last probe: price afresh with what the round taught
                 self._prices.clear()
                 self._judge_round = True
-            return path, {n: max(1, k) for n, k in priced[path][1].items()}, "probe"
+            shape = self._probe_shape(ctx, path)
+            lookahead = {n: max(1, k) for n, k in priced[path][1].items()}
+            if shape is None and priced[path][2] is not None:  # the chain's own lookahead
+                lookahead = {n: max(1, k) for n, k in self._estimates().path_cost(
+                    path, max_lookahead, batch=ctx.batch_size)[1].items()}
+            return path, lookahead, "probe", shape
         drafting = [p for p in candidates if len(p) > 1]
         if drafting and self._exploring():
             path = self.rng.choice(drafting)
-            return path, {n: self.rng.randint(1, min(8, max_lookahead)) for n in path[:-1]}, "explore"
+            return path, {n: self.rng.randint(1, min(8, max_lookahead)) for n in path[:-1]}, "explore", None
         score = {p: priced[p][0] * (1 + self.draft_margin if len(p) > 1 else 1) for p in candidates}
         path = min(score, key=score.get)
         # Hysteresis: leave the current path only for one that is clearly cheaper, so that
@@ -323,7 +361,7 @@ class EscalationPolicy(CostAwarePolicy):
         elif self._judge_round:
             self._interval = min(2 * self._interval, float(self.probe_every * self.probe_backoff))
         self._judge_round = False
-        return path, priced[path][1], "exploit"
+        return path, priced[path][1], "exploit", priced[path][2]
 
     def _priced(self, key: tuple, price):
         """``price(estimates)``, reused for ``reprice_every`` plans: the estimates move a little
@@ -335,7 +373,7 @@ class EscalationPolicy(CostAwarePolicy):
             hit = self._prices[key] = (self._plans, price(self._estimates()))
         return hit[1]
 
-    def _probe_round(self, priced: dict[tuple[str, ...], tuple[float, dict[str, int]]]) -> list[tuple[str, ...]]:
+    def _probe_round(self, priced: dict[tuple[str, ...], tuple]) -> list[tuple[str, ...]]:
         """The paths of the next probe round, in random order: all of them in the warm-up and in
         every other round; otherwise the contenders, priced within ``1 + contender_margin`` of
         the best. Probes keep every edge's estimates sampled across the whole run, so that edges
@@ -343,14 +381,14 @@ class EscalationPolicy(CostAwarePolicy):
         self._rounds += 1
         paths = list(priced)
         if self._rounds > self.warmup and self._rounds % 2:
-            best = min(cost for cost, _ in priced.values())
+            best = min(cost for cost, *_ in priced.values())
             paths = [p for p in paths if priced[p][0] <= (1 + self.contender_margin) * best]
         self.rng.shuffle(paths)
         return paths
 
     def plan(self, ctx: PlanContext) -> StepPlan:
-        path, lookahead, _ = self._choose(ctx, self.max_lookahead)
-        return self._under_load(ctx, path, lookahead)
+        path, lookahead, _, shape = self._choose(ctx, self.max_lookahead)
+        return _with_tree(self._under_load(ctx, path, lookahead), path, shape, self.verify_budget, ctx.batch_size)
 
     def observe(self, feedback: StepFeedback) -> None:
         self.steps += 1
@@ -370,7 +408,9 @@ class AutoPolicy(EscalationPolicy):
     verifier's extra position, and it earns that token's chance of acceptance times the
     seconds a committed token costs on this path. ``stop_threshold`` fixes that threshold
     instead; ``stop: false`` switches the stop off (lookahead from the cost model alone). Paths
-    are priced with blocks of at most ``price_lookahead``.
+    are priced with blocks of at most ``price_lookahead``. With ``trees``, each shape is priced
+    beside the chain on the path's first edge (``Estimates.path_cost``) and a step takes the
+    cheapest: a tree has no stop.
     """
 
     name = "auto"
@@ -385,9 +425,13 @@ class AutoPolicy(EscalationPolicy):
     def plan(self, ctx: PlanContext) -> StepPlan:
         # With the stop, the price only has to rank paths: price with short blocks, the stop and
         # the long cap decide the block length.
-        path, lookahead, kind = self._choose(ctx, min(self.max_lookahead, self.price_lookahead)
-                                             if self.stop else self.max_lookahead)
+        path, lookahead, kind, shape = self._choose(ctx, min(self.max_lookahead, self.price_lookahead)
+                                                    if self.stop else self.max_lookahead)
         plan = self._under_load(ctx, path, lookahead)
+        if shape is not None:  # a tree's shape is its length: no stop
+            treed = _with_tree(plan, path, shape, self.verify_budget, ctx.batch_size)
+            if treed.tree:
+                return treed
         if not self.stop or kind == "explore" or len(plan.path) < 2:
             return plan
         first = plan.path[0]
@@ -420,3 +464,15 @@ class AutoPolicy(EscalationPolicy):
         extra = (two - one) if one is not None and two is not None else 0.0
         value = rates[verifier] * estimates.calibration(first, verifier).mean(Calibration.LATER)
         return min(0.9, max(0.02, (draft + extra) / value)) if value > 0 else 0.9
+
+
+def _with_tree(plan: StepPlan, path: tuple[str, ...], shape: tuple[int, ...] | None,
+               verify_budget: int | None = None, batch_size: int = 1) -> StepPlan:
+    """``plan`` with a tree of ``shape`` on its first edge, if the path kept its first level (and
+    if the authority verifies the tree, within the verification budget)."""
+    if shape is None or len(plan.path) < 2 or plan.path[0] != path[0]:
+        return plan
+    if verify_budget is not None and len(plan.path) == 2:
+        if tree_passes(shape)[1] > verify_budget // max(1, batch_size) - 1:
+            return plan
+    return StepPlan(plan.path, plan.lookahead, {}, {path[0]: shape})

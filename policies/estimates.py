@@ -64,6 +64,73 @@ class EdgeAcceptance:
 
 
 @dataclass
+class TreeAcceptance:
+    """For trees of the proposer's top-k candidates (cascade/tree.py: the matching rule): the
+    probability that the verifier's token at depth j is the proposer's rank-r candidate there,
+    given that the walk reached depth j and rank r was offered. The events are disjoint across
+    ranks (the verifier draws one token), so a depth of width w is passed with probability
+    ``sum(rate(j, r) for r < w)``.
+
+    Rank 0 starts from the chain's measured acceptance at the same position, later ranks from a
+    prior that halves with each rank, both worth ``prior_weight`` observations."""
+
+    prior_weight: float = 2.0
+    decay: float = 0.98
+    later_prior: float = 0.3  # share of the first choice's misses the second choice catches, at first
+    seen: list[list[float]] = field(default_factory=list)  # [depth][rank], decayed
+    hits: list[list[float]] = field(default_factory=list)
+
+    def observe(self, widths: tuple[int, ...], ranks: tuple[int, ...]) -> None:
+        """One verified tree of ``widths`` per depth, whose walk took the candidates of ``ranks``
+        (one per accepted depth; it ended at depth ``len(ranks)``, where no candidate matched
+        unless the tree ended there)."""
+        for row in (*self.seen, *self.hits):
+            for r in range(len(row)):
+                row[r] *= self.decay
+        for j, width in enumerate(widths[:len(ranks) + 1]):
+            while len(self.seen) <= j:
+                self.seen.append([])
+                self.hits.append([])
+            for row in (self.seen[j], self.hits[j]):
+                row.extend([0.0] * (width - len(row)))
+            offered = width if j == len(ranks) else ranks[j] + 1  # the walk stops at the first match
+            for r in range(offered):
+                self.seen[j][r] += 1.0
+            if j < len(ranks):
+                self.hits[j][ranks[j]] += 1.0
+
+    def rate(self, j: int, r: int, first_prior: float) -> float:
+        if r == 0:
+            prior = first_prior
+        else:
+            prior = (1.0 - first_prior) * self.later_prior * 0.5 ** (r - 1)
+        if j < len(self.seen) and r < len(self.seen[j]):
+            seen, hits = self.seen[j][r], self.hits[j][r]
+        else:
+            seen = hits = 0.0
+        return (hits + prior * self.prior_weight) / (seen + self.prior_weight)
+
+    def expected_tokens(self, widths: tuple[int, ...], chain: "EdgeAcceptance") -> float:
+        """Expected tokens one tree round emits: the accepted path + 1."""
+        total, survive = 1.0, 1.0
+        for j, width in enumerate(widths):
+            survive *= min(1.0, sum(self.rate(j, r, chain.rate(j)) for r in range(width)))
+            total += survive
+        return total
+
+
+def tree_passes(widths: tuple[int, ...]) -> tuple[list[int], int]:
+    """A tree's drafting passes (positions each scores: the nodes one depth up, the root first)
+    and its size."""
+    passes, level, size = [], 1, 0
+    for w in widths:
+        passes.append(level)
+        level *= w
+        size += level
+    return passes, size
+
+
+@dataclass
 class PassModel:
     """Seconds of a call of ``passes`` forward passes computing ``tokens`` positions in all:
     ``per_pass * passes + per_token * tokens``, fitted by exponentially weighted non-negative
@@ -237,6 +304,7 @@ class Estimates:
         self.decay = decay
         self.pool_weight = pool_weight
         self.edges: dict[tuple[str, str], EdgeAcceptance] = {}
+        self.trees: dict[tuple[str, str], TreeAcceptance] = {}
         self.calibrations: dict[tuple[str, str], Calibration] = {}
         self.costs: dict[str, LevelCost] = {}
         self.after_full: dict[tuple[str, str], bool] = {}  # was the edge's last block accepted whole?
@@ -246,6 +314,12 @@ class Estimates:
         if key not in self.edges:
             self.edges[key] = EdgeAcceptance(prior=self.prior, decay=self.decay)
         return self.edges[key]
+
+    def tree(self, proposer: str, verifier: str) -> TreeAcceptance:
+        key = (proposer, verifier)
+        if key not in self.trees:
+            self.trees[key] = TreeAcceptance(decay=self.decay)
+        return self.trees[key]
 
     def calibration(self, proposer: str, verifier: str) -> Calibration:
         key = (proposer, verifier)
@@ -261,6 +335,10 @@ class Estimates:
 
     def observe(self, feedback: StepFeedback) -> None:
         for e in feedback.edges:
+            if e.candidates:  # a tree: its own estimates (a chain accepts less)
+                widths = feedback.plan.tree.get(e.proposer, ())[:e.proposed]
+                self.tree(e.proposer, e.verifier).observe(widths, e.ranks)
+                continue
             self.edge(e.proposer, e.verifier).observe(e.proposed, e.accepted)
             if e.confidence:
                 key = (e.proposer, e.verifier)
@@ -275,7 +353,8 @@ class Estimates:
                                                                     cost.catch_up)
 
     def path_cost(self, path: tuple[str, ...], max_lookahead: int, default_cost: float = 1e-3, batch: int = 1,
-                  rates: dict[str, float] | None = None) -> tuple[float, dict[str, int]]:
+                  rates: dict[str, float] | None = None, tree: tuple[int, ...] | None = None
+                  ) -> tuple[float, dict[str, int]]:
         """Expected seconds per token the authority commits along ``path``, for one of ``batch``
         sequences, and the lookahead per level that minimises it (the speedup equation,
         cascade/DESIGN.md §4, applied edge by edge).
@@ -290,6 +369,11 @@ class Estimates:
         accept alike unless measured otherwise, so a rarely tried edge is priced mostly by its
         (well measured) costs instead of by a few noisy rounds. Under load a pass's fixed cost is shared by the batch while
         each position still costs its own, which is what makes speculation stop paying.
+
+        With ``tree`` (widths per depth), the first edge is a tree of the first level's top
+        candidates instead of a block: one drafting pass per depth over the nodes one depth up,
+        one verifying pass over every node, and the expected accepted path from the measured
+        acceptance by depth and rank (:class:`TreeAcceptance`).
         """
         def cost(level: str, width: int) -> float:
             c = self.cost(level, batch, width)
@@ -311,7 +395,16 @@ class Estimates:
 
         per_token = cost(path[0], 1)
         lookahead: dict[str, int] = {}
-        for below, level in zip(path, path[1:]):
+        edges = list(zip(path, path[1:]))
+        if tree and edges:
+            below, level = edges.pop(0)
+            drafts, size = tree_passes(tree)
+            seconds = sum(cost(below, width) for width in drafts) + cost(level, size + 1)
+            per_token = seconds / self.tree(below, level).expected_tokens(tree, self.edge(below, level))
+            lookahead[below] = len(tree)
+            if rates is not None:
+                rates[level] = per_token
+        for below, level in edges:
             acc = self.edge(below, level)
             best_k, best = 0, cost(level, 1)  # k = 0: the level samples a token itself, one pass per token
             expected, survive = 1.0, 1.0  # expected_tokens(k), built up incrementally

@@ -88,3 +88,18 @@ def test_a_tree_is_bounded_in_size():
     with pytest.raises(PolicyError, match="more than 256 nodes"):
         from_spec("fixed:tree={small: [16, 16, 16]}")
     assert from_spec("fixed:tree={small: [4, 4, 4, 2]}").tree_param == {"small": (4, 4, 4, 2)}  # 212 nodes
+
+
+def test_auto_chooses_between_chains_and_trees_with_greedy_identity(four, family, tokenizer):
+    """`auto` prices its tree shapes beside the chain on every path whose first level can score,
+    and its probes try each: greedy output stays plain decoding's whatever it chose."""
+    from policies.adaptive import AutoPolicy
+
+    policy = AutoPolicy(warmup=2, probe_every=4, trees=[[2, 2, 1], [3, 1]])
+    total = None
+    for prompt in prompts_from_text(tokenizer, 4):
+        g = four.generate(prompt, max_new_tokens=40, temperature=0.0, policy=policy)
+        assert g.token_ids == reference_greedy(family / "large", prompt, 40), prompt
+        total = g.stats if total is None else total.merge(g.stats)
+    assert sum(e.tree_nodes for e in total.edges.values()) > 0  # trees were drafted
+    assert any(e.proposed > e.tree_nodes for e in total.edges.values())  # and chains

@@ -10,7 +10,8 @@ from policies.adaptive import (
     AutoPolicy, ConfidencePolicy, CostAwarePolicy, EntropyPolicy, EscalationPolicy,
 )
 from policies.base import DraftStep, EdgeOutcome, PlanContext, StepFeedback, StepPlan, draft_step
-from policies.estimates import BINS, Calibration, EdgeAcceptance, Estimates, LevelCost, confidence_bin
+from policies.estimates import (BINS, Calibration, EdgeAcceptance, Estimates, LevelCost, TreeAcceptance, confidence_bin,
+                                tree_passes)
 from policies.fixed import FixedPolicy
 from policies.stops import CalibratedStop, ConfidenceStop, EntropyStop
 
@@ -390,3 +391,63 @@ def test_escalation_backs_off_its_probes_while_the_choice_holds():
     assert [b - a for a, b in zip(starts, starts[1:])] == [8, 16], starts
     with pytest.raises(PolicyError, match="probe_backoff"):
         EscalationPolicy(probe_backoff=0)
+
+
+def test_tree_acceptance_is_counted_by_depth_and_rank():
+    acc = TreeAcceptance(decay=1.0)
+    acc.observe((2, 2, 1), (1, 0))  # second choice at depth 0, first at 1, no match at depth 2
+    assert acc.seen == [[1, 1], [1, 0], [1]] and acc.hits == [[0, 1], [1, 0], [0]]
+    acc.observe((2, 2, 1), ())  # neither candidate at depth 0
+    assert acc.seen[0] == [2, 2] and acc.hits[0] == [0, 1]
+    acc.prior_weight = 0.0
+    assert acc.rate(0, 1, 0.5) == 0.5 and acc.rate(0, 0, 0.5) == 0.0 and acc.rate(1, 0, 0.5) == 1.0
+    assert tree_passes((2, 2, 1)) == ([1, 2, 4], 10)
+
+
+def _tree_estimates(est, per_position):
+    """tiny: 1 ms a pass; large: 10 ms plus ``per_position`` per scored position. tiny's first
+    choice is large's token half the time, its second 40% of the time."""
+    for level, (fixed, each) in {"tiny": (0.001, 0.0), "large": (0.010, per_position)}.items():
+        for width in (1, 2, 4, 8, 16, 32, 64):
+            for _ in range(5):
+                est.costs.setdefault(level, LevelCost()).observe_pass(1, width, fixed + each * width, rows=1)
+    edge = est.edge("tiny", "large")
+    edge.prior, edge.prior_weight = 0.5, 1e9
+    tree = est.tree("tiny", "large")
+    tree.later_prior, tree.prior_weight = 0.8, 1e9
+
+
+def test_path_cost_prices_a_tree_by_its_passes_and_acceptance_by_rank():
+    est = Estimates()
+    _tree_estimates(est, 0.0)
+    cost, lookahead = est.path_cost(("tiny", "large"), 8, tree=(2, 2, 1, 1))
+    # depths of width 2 are passed with 0.5 + 0.4, of width 1 with 0.5
+    expected = 1 + 0.9 + 0.81 + 0.81 * 0.5 + 0.81 * 0.25
+    drafting = 4 * 0.001  # passes over 1, 2, 4 and 4 positions
+    assert cost == pytest.approx((drafting + 0.010) / expected, rel=1e-3) and lookahead == {"tiny": 4}
+    chain, _ = est.path_cost(("tiny", "large"), 8)
+    assert cost < chain  # verification is flat: the tree's second choices pay
+
+
+def test_auto_takes_a_tree_only_where_it_pays():
+    graph = nx.DiGraph([("tiny", "large")])
+
+    def plan(per_position):
+        policy = bound(AutoPolicy(warmup=0, probe_every=10**9), graph)
+        _tree_estimates(policy.estimates, per_position)
+        return policy.plan(PlanContext(graph, "large", 100, 0, frozenset(graph.nodes)))
+
+    flat = plan(0.0)  # a flat verifier (weights streamed once, as a real authority on a GPU)
+    assert flat.path == ("tiny", "large") and flat.tree["tiny"] in ((2, 2, 1, 1), (3, 2, 2, 1)) and not flat.stop
+    steep = plan(0.002)  # every position costs the verifier a fifth of a pass: no tree
+    assert steep.tree == {}
+    ngram = bound(AutoPolicy(warmup=0, probe_every=10**9), nx.DiGraph([("ng", "large")]))
+    ngram.graph.nodes["ng"]["kind"] = "ngram"  # a level that cannot score is never asked for a tree
+    assert ngram._shapes(PlanContext(ngram.graph, "large", 100, 0, frozenset({"ng", "large"})), ("ng", "large")) == [None]
+
+
+def test_tree_outcomes_teach_the_tree_estimates_not_the_chains():
+    est = Estimates(decay=1.0)
+    plan = StepPlan(("tiny", "large"), {"tiny": 3}, {}, {"tiny": (2, 2, 1)})
+    est.observe(StepFeedback(plan, (EdgeOutcome("tiny", "large", 3, 2, None, 10, (1, 1)),), {}, {}, 3))
+    assert est.tree("tiny", "large").hits == [[0, 1], [0, 1], [0]] and est.edge("tiny", "large").seen == []
