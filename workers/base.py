@@ -189,10 +189,9 @@ class Worker(abc.ABC):
         stopped = [False] * len(seq_ids)
         active = [b for b in range(len(seq_ids)) if max_tokens[b] > 0]
         while active:
-            logits = self.score(
+            logits = self._next_logits(
                 [seq_ids[b] for b in active],
                 [list(token_ids[b]) + drafted[b] for b in active],
-                [1] * len(active),
             )
             # All active rows at once: warp, sample with each row's own uniform, and the model's
             # own (T=1) probability of each drafted token. Row-wise ops: each row is as if alone.
@@ -225,6 +224,12 @@ class Worker(abc.ABC):
                   confidence[b], stopped[b])
             for b in range(len(seq_ids))
         ]
+
+    def _next_logits(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """One drafting pass of :meth:`draft`: logits whose last row predicts the token after each
+        sequence. :meth:`score` of the last position; a worker that drafts otherwise than it
+        scores (a feature head, :mod:`workers.head`) overrides it."""
+        return self.score(seq_ids, token_ids, [1] * len(seq_ids))
 
     def release(self, seq_ids: Sequence[str]) -> None:
         """Forget the state of finished sequences."""
