@@ -24,6 +24,7 @@ import torch
 from workers.base import DTYPES, Worker, common_prefix
 from workers.devices import resolve_device, resolve_dtype
 from workers.draft_vocab import DraftVocab
+from workers.features import FeatureStore
 from workers.lean import attention_mask, lean_forward
 from workers.pool import Pool, poolable
 from workers.trees import Pending, accepted_path, as_tree, depths, window_mask
@@ -76,6 +77,7 @@ class HFWorker(Worker):
         # transformers' forward minus its per-call plumbing, where the model is one it knows
         self.lean = lean_forward(self.model) if lean else None
         self._trees: str | None | bool = False  # how trees are masked (see _tree_support); False: not decided
+        self._features: FeatureStore | None = None  # the last hidden states, kept once a head reads them
 
     @classmethod
     def from_model(cls, model, device: str | None = None, lean: bool = True,
@@ -86,6 +88,61 @@ class HFWorker(Worker):
         self.model = model.to(self.device).eval()
         self._setup(lean, draft_vocab)
         return self
+
+    def keep_features(self) -> None:
+        """From now on keep the last hidden state (the LM head's input) at every position each pass
+        computes, per sequence, for a feature head to read (:meth:`features`). Set when a topology
+        has a head reading this level; nothing is kept otherwise."""
+        if self._features is not None:
+            return
+        if self.draft_vocab is not None:
+            raise ValueError("a feature head reads a model over the authority's whole vocabulary; this is a "
+                             "trimmed drafter (draft_vocab.json)")
+        store = self._features = FeatureStore(int(self.model.get_output_embeddings().weight.shape[1]))
+        if self.lean is not None:  # before the hook below, which the lean forward would refuse
+            self.lean = lean_forward(self.model, capture=store.capture)
+        # transformers' forward (no lean one, and the per-sequence fallback's batched passes): the
+        # base model's output is the final norm's, at every position
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        decoder.register_forward_hook(lambda module, args, output: store.capture(output[0]))
+        if self._pool:
+            self._pool.features = store
+
+    @torch.inference_mode()
+    def features(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
+                 starts: Sequence[int]) -> list[torch.Tensor]:
+        """The last hidden states (the LM head's inputs) of positions ``starts[b] .. len - 2`` of
+        each sequence ``token_ids[b]``: ``[len - 1 - starts[b], hidden]``, row ``j`` the state
+        after reading tokens ``0 .. starts[b] + j``, which predicts the next one.
+
+        What a pass computed is handed over as it was kept (:meth:`keep_features`); positions
+        this worker has not computed for the sequence are computed now, in one pass for all
+        sequences that lack some (a prefill: the first step of a request)."""
+        store = self._features
+        if store is None:
+            raise RuntimeError("features: this level keeps no features (keep_features was not called)")
+        out = [store.read(s, t, a) for s, t, a in zip(seq_ids, token_ids, starts)]
+        for attempt in range(2):
+            lacking = [b for b, f in enumerate(out) if f is None]
+            if not lacking:
+                break
+            if attempt:  # the cache held positions the store did not (kept late): recompute them
+                self.release([seq_ids[b] for b in lacking])
+            self.score([seq_ids[b] for b in lacking], [token_ids[b] for b in lacking], [1] * len(lacking))
+            for b in lacking:
+                out[b] = store.read(seq_ids[b], token_ids[b], starts[b])
+        if any(f is None for f in out):  # pragma: no cover - a bookkeeping bug, not an input
+            raise RuntimeError("features: the worker's passes left positions without features")
+        return out
+
+    def _record(self, seq_id: str, prefix: list[int], fed: list[int], row: int, at: int,
+                tree: tuple[list[int], list[int]] | None = None) -> None:
+        """Keep the features of one row of the pass that just ran: ``fed`` at window columns
+        ``at .. at + len(fed) - 1``, a tree's nodes right after them."""
+        hidden = self._features.last[row]
+        n = len(tree[0]) if tree else 0
+        self._features.record(seq_id, prefix, fed, hidden[at:at + len(fed)], tree,
+                              hidden[at + len(fed):at + len(fed) + n] if n else None)
 
     def _logits(self, input_ids, position_ids, cache, valid, keep: int, among=None) -> torch.Tensor:
         """One forward pass writing into ``cache`` (a transformers Cache, or a list of cache
@@ -187,6 +244,8 @@ class HFWorker(Worker):
         if self._pool is None:
             self._pool = (Pool(self.model, self.device, self.context_length, self._logits)
                           if poolable(self.model) else False)
+            if self._pool:
+                self._pool.features = self._features
 
     def _score(self, seq_ids, token_ids, num_positions) -> list[torch.Tensor]:
         if self._pool is None:
@@ -290,6 +349,8 @@ class HFWorker(Worker):
                          use_cache=True)
         results = []
         for b, ((entry, fresh), new, n) in enumerate(zip(rows, news, num_positions)):
+            if self._features is not None:  # row b's new tokens start the window
+                self._record(seq_ids[b], entry.tokens, fresh, b, 0, trees[b] if trees else None)
             for layer_idx, layer in enumerate(out.cache.layers):
                 entry.cache.update(layer.keys[b:b + 1, :, longest:longest + len(new)],
                                    layer.values[b:b + 1, :, longest:longest + len(new)], layer_idx)
@@ -308,6 +369,8 @@ class HFWorker(Worker):
         past = len(entry.tokens)
         positions = torch.arange(past, past + len(fresh), device=self.device)[None]
         logits = self._logits(new, positions, entry.cache, None, num_positions)[0]
+        if self._features is not None:
+            self._record(seq_id, entry.tokens, fresh, 0, 0)
         entry.tokens.extend(fresh)
         # Verification runs on the host in at least float32.
         if logits.dtype in (torch.float16, torch.bfloat16):
@@ -323,6 +386,8 @@ class HFWorker(Worker):
         positions = torch.tensor([list(range(past, past + t)) + [past + t + d for d in depths(parents)]], device=dev)
         among = window_mask(t + len(nodes), t, parents)[None].to(dev)
         logits = self._logits(new, positions, entry.cache, None, len(nodes) + 1, among)[0]
+        if self._features is not None:
+            self._record(seq_id, entry.tokens, fresh, 0, 0, (list(nodes), list(parents)))
         entry.tokens.extend(fresh)
         entry.tree = Pending(list(nodes), list(parents))
         if logits.dtype in (torch.float16, torch.bfloat16):
@@ -334,6 +399,8 @@ class HFWorker(Worker):
             self._caches.pop(s, None)
         if self._pool:
             self._pool.release(seq_ids)
+        if self._features is not None:
+            self._features.release(seq_ids)
 
     def cached_sequences(self) -> int:
         return len(self._caches) + (len(self._pool.row_of) if self._pool else 0)
@@ -341,6 +408,8 @@ class HFWorker(Worker):
     def close(self) -> None:
         self._caches.clear()
         self._pool = None
+        if self._features is not None:
+            self._features.clear()
         self.model = None
 
 

@@ -39,7 +39,7 @@ ARCHITECTURES = {
 }
 
 
-def lean_forward(model) -> Forward | None:
+def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None) -> Forward | None:
     """``forward(input_ids, position_ids, layers, valid, keep) -> logits`` for ``model``, or None.
 
     * ``input_ids``, ``position_ids``: ``[rows, width]`` — the pass's new tokens and their positions;
@@ -51,6 +51,9 @@ def lean_forward(model) -> Forward | None:
     * ``keep``: logits are returned for the last ``keep`` positions only: ``[rows, keep, vocab]``;
     * ``among`` (optional): ``[rows, width, width]`` bool, which new positions each new position
       attends to, in place of causality among them (a tree of candidates, :mod:`workers.trees`).
+
+    ``capture``: called with the final hidden states of every position ``[rows, width, hidden]``
+    (the LM head's inputs) on each pass, for a feature head (:mod:`workers.features`).
     """
     arch = _supported(model)
     if arch is None:
@@ -93,6 +96,10 @@ def lean_forward(model) -> Forward | None:
             hidden = hidden + F.linear(out.transpose(1, 2).reshape(rows, width, -1), *wo)
             x = _rms(hidden, *norm2)
             hidden = hidden + F.linear(act(F.linear(x, *gate)) * F.linear(x, *up), *down)
+        if capture is not None:  # every position's features, for a feature head
+            hidden = _rms(hidden, *final_norm)
+            capture(hidden)
+            return model.lm_head(hidden[:, width - keep:].contiguous())
         hidden = _rms(hidden[:, width - keep:], *final_norm)
         return model.lm_head(hidden)
 

@@ -132,6 +132,9 @@ class Pool:
         self.tokens: list[list[int]] = []
         self.cols: list[list[int]] = []
         self.trees: dict[int, Pending] = {}  # row -> its scored tree, until its next call settles it
+        # where a feature head reads this worker: its FeatureStore (workers/features.py), which
+        # each pass's rows are recorded into; None otherwise
+        self.features = getattr(self, "features", None)
 
     # -- shape management ---------------------------------------------------------------------
 
@@ -398,6 +401,9 @@ class Pool:
         input_ids, positions, mask = self._window(heads, [0] * len(heads), width)
         layers = [buffer_layer(None, None, 0) for _ in self.kbufs]
         self.forward(input_ids.to(dev), positions.to(dev), layers, mask.to(dev), 1)
+        if self.features is not None:  # each head ends the window; the rows held nothing before
+            for i, (r, h) in enumerate(zip(rows, heads)):
+                self.features.record(self.rows[r], [], h, self.features.last[i, width - len(h):])
         used = self.used
         for layer, k, v in zip(layers, self.kbufs, self.vbufs):
             for i, (r, h) in enumerate(zip(rows, heads)):
@@ -460,10 +466,17 @@ class Pool:
         results = []
         for i, (r, new, n) in enumerate(zip(rows, news, num_positions)):
             end = used + width
+            tree = None
             if trees is not None and trees[i][0]:  # the nodes stay pending, after the row's tail
-                end -= len(trees[i][0])
-                self.trees[r] = Pending(list(trees[i][0]), list(trees[i][1]), end)
-                new = new[:len(new) - len(trees[i][0])]
+                tree = trees[i]
+                end -= len(tree[0])
+                self.trees[r] = Pending(list(tree[0]), list(tree[1]), end)
+                new = new[:len(new) - len(tree[0])]
+            if self.features is not None:  # the row's new tokens (then its tree's nodes) end the window
+                hidden = self.features.last[slot[r]]
+                nodes = len(tree[0]) if tree else 0
+                self.features.record(self.rows[r], self.tokens[r], new, hidden[width - nodes - len(new):width - nodes],
+                                     tree, hidden[width - nodes:] if nodes else None)
             self.cols[r].extend(range(end - len(new), end))
             self.tokens[r].extend(new)
             results.append(logits_all[slot[r], keep - n:keep])

@@ -1,0 +1,120 @@
+"""A transformers worker's own last hidden states, kept for a feature head (:mod:`workers.head`).
+
+A feature head drafts from the features of the level it reads (its ``features_of``): the last
+hidden state at every position, the input of that level's LM head (after its final norm). The
+level computes them anyway while it scores; :class:`FeatureStore` keeps them per sequence, so
+that handing them to the head costs no extra pass.
+
+The store mirrors the worker's KV cache by tokens, not by cache columns: per sequence, the tokens
+whose features it holds and one feature row per token (row ``i``: the hidden state after reading
+tokens ``0..i``, which predicts token ``i + 1``). Every pass records what it fed after the prefix
+the cache held (:meth:`FeatureStore.record`): the store first drops whatever does not continue
+that prefix, as the cache did, so a rejected block leaves no feature behind. A scored tree's
+nodes wait as pending, as in the cache, until the sequence's next call settles them: the
+accepted path's rows stay, the other nodes' go (:func:`workers.trees.accepted_path`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from workers.base import common_prefix
+from workers.trees import accepted_path
+
+
+@dataclass
+class _Held:
+    tokens: list[int] = field(default_factory=list)
+    rows: torch.Tensor | None = None  # [capacity, hidden]; rows [0, len(tokens)) hold features
+    # a scored tree's (tokens, parents, rows [n, hidden]) after ``tokens``, until settled
+    tree: tuple[list[int], list[int], torch.Tensor] | None = None
+
+
+class FeatureStore:
+    """Per sequence: the tokens a worker has fed and the last hidden state at each of them."""
+
+    def __init__(self, hidden_size: int):
+        self.hidden_size = hidden_size
+        self.seqs: dict[str, _Held] = {}
+        self.last: torch.Tensor | None = None  # the hidden states of the pass that ran last
+
+    def capture(self, hidden: torch.Tensor) -> None:
+        """Called by the worker's forward pass with its final hidden states ``[rows, width, hidden]``
+        (every position of the pass, pads included); the worker then :meth:`record`\\ s each row."""
+        self.last = hidden.detach()
+
+    @torch.inference_mode()  # the worker's passes make inference tensors
+    def record(self, seq_id: str, prefix: Sequence[int], fed: Sequence[int], rows: torch.Tensor,
+               tree: tuple[Sequence[int], Sequence[int]] | None = None, tree_rows: torch.Tensor | None = None) -> None:
+        """A pass fed ``fed`` (features ``rows [len(fed), hidden]``) after ``prefix``, the tokens the
+        worker's cache held for the sequence, and, with ``tree``, that tree's nodes after them
+        (``tree_rows``), pending until the next call settles them."""
+        held = self.seqs.get(seq_id)
+        if held is None:
+            held = self.seqs[seq_id] = _Held()
+        prefix = list(prefix)
+        if held.tree is not None:
+            self._settle(held, prefix + list(fed))
+        keep = common_prefix(held.tokens, prefix)
+        del held.tokens[keep:]
+        if keep < len(prefix):
+            # the cache holds tokens the store never saw (features were asked for late): keep the
+            # contiguous part; :meth:`HFWorker.features` recomputes the rest when asked
+            return
+        self._append(held, list(fed), rows)
+        if tree is not None and len(tree[0]):
+            held.tree = (list(tree[0]), list(tree[1]), tree_rows.detach().clone())
+
+    @torch.inference_mode()
+    def read(self, seq_id: str, token_ids: Sequence[int], start: int) -> torch.Tensor | None:
+        """The features of positions ``start .. len(token_ids) - 2`` of ``token_ids`` (those that
+        predicted its tokens after ``start``), or None where the store does not hold them all.
+        A pending tree is settled against ``token_ids`` first."""
+        held = self.seqs.get(seq_id)
+        end = len(token_ids) - 1
+        if end <= start:
+            return torch.zeros(0, self.hidden_size) if held is None or held.rows is None else held.rows[:0].clone()
+        if held is None:
+            return None
+        tokens = list(token_ids)
+        if held.tree is not None:
+            self._settle(held, tokens)
+        if common_prefix(held.tokens, tokens) < end:
+            return None
+        return held.rows[start:end].clone()
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        for s in seq_ids:
+            self.seqs.pop(s, None)
+
+    def clear(self) -> None:
+        self.seqs.clear()
+        self.last = None
+
+    # -- internals ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _append(held: _Held, tokens: list[int], rows: torch.Tensor) -> None:
+        if not tokens:
+            return
+        n, add = len(held.tokens), rows.shape[0]
+        if held.rows is None or held.rows.shape[0] < n + add:  # grow geometrically: appends stay cheap
+            grown = rows.new_zeros((max(2 * (n + add), 64), rows.shape[-1]))
+            if held.rows is not None and n:
+                grown[:n] = held.rows[:n]
+            held.rows = grown
+        held.rows[n:n + add] = rows
+        held.tokens.extend(tokens)
+
+    def _settle(self, held: _Held, sequence: list[int]) -> None:
+        """Keep the pending tree's root-to-node path that ``sequence`` continues with; drop the rest."""
+        tokens, parents, rows = held.tree
+        held.tree = None
+        base = len(held.tokens)
+        if sequence[:base] != held.tokens:
+            return
+        path = accepted_path(tokens, parents, sequence, base)
+        if path:
+            self._append(held, [tokens[i] for i in path], rows[path])
