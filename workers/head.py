@@ -1,0 +1,473 @@
+"""A feature head: a draft level that reads the last hidden states of a transformers level (EAGLE).
+
+The head is one decoder layer over the *features* of the level it reads (its ``features_of``,
+usually the authority): the last hidden state at each position, the input of that level's LM
+head. At sequence position ``t`` it takes ``(feature_{t-1}, token_t)``:
+
+    x_t  = fc(concat(feature_{t-1}, embed(token_t)))        fc: Linear(2 * hidden, hidden)
+    f̂_t  = decoder_layer(x_0 .. x_t)                         one LlamaDecoderLayer, its own RoPE
+    logits predicting token_{t+1} = lm_head(f̂_t)
+
+``feature_{-1}`` (position 0 has no feature before it) is a vector of zeros. ``embed`` and
+``lm_head`` are the source level's own modules, read (frozen) when the head loads, never stored
+with it; a head may carry its own output head instead, optionally over a trimmed draft vocabulary
+(``draft_vocab.json``, :mod:`workers.draft_vocab`): its rows are then ``-inf`` outside it.
+
+On disk a head is a folder: ``head_config.json`` (:class:`HeadConfig`) and ``model.safetensors``
+(``fc.*``, ``layer.*``, and ``lm_head.weight`` if it has its own), written by
+:meth:`FeatureHead.save_pretrained` and read by :meth:`FeatureHead.from_pretrained`.
+
+**Drafting** (:class:`HeadWorker`). Where the source has computed the feature before a position,
+the head feeds it (a *real* entry); past the features it has been handed, it feeds its own
+prediction ``f̂_{t-1}`` (a *predicted* entry), one token per pass, as EAGLE drafts. Its KV cache
+keeps real entries like any cache, reconciled with the tokens on every call; a predicted entry is
+dropped as soon as the source's feature for it arrives (:meth:`HeadWorker.take_features`), so
+after a verified step the cache holds real entries only. The draft is sampled as every level
+samples (:meth:`workers.base.Worker.draft`: the same sampling, uniforms and stop rule), and its
+``probs`` are the rows it sampled from: the exactness argument needs nothing else
+(cascade/DESIGN.md §2). A head only proposes: it cannot verify (``can_score = False``).
+
+**The hand-off** (:func:`hand_features`, called by the engine before a head drafts): the head
+says from which position it lacks features (:meth:`HeadWorker.features_needed`), its source
+returns them (:meth:`workers.hf.HFWorker.features`: what its passes kept, no extra pass, except a
+prefill of positions it has never computed) and the head takes them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from workers.base import Worker, common_prefix
+from workers.draft_vocab import DraftVocab
+
+CONFIG = "head_config.json"
+WEIGHTS = "model.safetensors"
+
+
+@dataclass
+class HeadConfig:
+    """A feature head's shape (``head_config.json``). ``hidden_size`` is the source model's;
+    ``vocab_size`` the source's (the authority's) vocabulary; ``lm_head_rows`` > 0: the head has
+    its own output head of that many rows (the draft vocabulary's size with ``draft_vocab.json``,
+    else ``vocab_size``); 0: it uses the source's LM head."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    lm_head_rows: int = 0
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HeadConfig":
+        data = json.loads((Path(path) / CONFIG).read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{CONFIG}: unknown fields {unknown}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        (Path(path) / CONFIG).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    def llama(self):
+        """The transformers LlamaConfig of the head's decoder layer."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim or self.hidden_size // self.num_attention_heads, rms_norm_eps=self.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            max_position_embeddings=self.max_position_embeddings, vocab_size=self.vocab_size,
+            hidden_act=self.hidden_act, attention_bias=self.attention_bias, attn_implementation="sdpa",
+        )
+
+
+class FeatureHead(nn.Module):
+    """EAGLE-1's draft head: ``fc`` over (feature, embedding), one Llama decoder layer.
+
+    :meth:`forward` maps the inputs of positions (their previous position's feature and their
+    token's embedding) to predicted features ``f̂``; logits are an LM head applied to them (the
+    source's, or :attr:`lm_head`). For training, :func:`shifted` turns a sequence's features
+    into the inputs of its positions."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        self.config = config
+        llama = config.llama()
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.layer = LlamaDecoderLayer(llama, layer_idx=0)
+        self.rotary = LlamaRotaryEmbedding(llama)
+        self.lm_head = nn.Linear(hidden, config.lm_head_rows, bias=False) if config.lm_head_rows else None
+
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Predicted features ``[B, T, hidden]`` from ``features`` (each position's previous
+        position's feature: zeros at position 0) and ``embeds`` (each position's token), both
+        ``[B, T, hidden]``. Without ``attention_mask`` and ``cache``: causal over the ``T``
+        positions. ``cache``: an object with ``update(keys, values, layer_idx, ...)`` returning
+        the keys/values to attend to (past and new), as transformers' caches do; then
+        ``attention_mask`` ``[B, 1, T, past + T]`` (bool) is required."""
+        x = self.fc(torch.cat([features, embeds], dim=-1))
+        rows, width = x.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(width, device=x.device)[None].expand(rows, width)
+        if attention_mask is None:
+            if cache is not None:
+                raise ValueError("FeatureHead.forward: a pass over a cache needs its attention_mask")
+            attention_mask = torch.ones(width, width, dtype=torch.bool, device=x.device).tril()[None, None]
+        return self.layer(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                          use_cache=cache is not None, position_embeddings=self.rotary(x, position_ids))
+
+    def save_pretrained(self, path: str | Path, draft_vocab: DraftVocab | None = None) -> None:
+        """``head_config.json`` and ``model.safetensors`` (and ``draft_vocab.json``) into ``path``."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.config.save(path)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(path / WEIGHTS))
+        if draft_vocab is not None:
+            draft_vocab.save(path)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
+                        device: str | torch.device | None = None) -> "FeatureHead":
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        head = cls(HeadConfig.load(path))
+        head.load_state_dict(load_file(str(path / WEIGHTS)), strict=True)
+        return head.to(device=device, dtype=dtype).eval()
+
+
+def shifted(features: torch.Tensor) -> torch.Tensor:
+    """Each position's input feature from a sequence's features ``[B, T, hidden]``: position
+    ``t`` takes ``features[:, t - 1]``, position 0 zeros (what a trainer feeds the head)."""
+    return torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
+
+
+def random_head(authority, seed: int = 0, intermediate_size: int | None = None,
+                num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
+                lm_head_rows: int = 0, scale: float = 1.0) -> FeatureHead:
+    """A randomly initialised head for ``authority`` (a transformers causal LM, or its folder),
+    of the authority's width, heads and RoPE base unless told otherwise; ``scale`` multiplies
+    its weights (``fc`` and the layer's output projections) to sharpen or flatten its drafts."""
+    if isinstance(authority, (str, Path)):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(authority)
+    else:
+        config = authority.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    heads = num_attention_heads or config.num_attention_heads
+    head_config = HeadConfig(
+        hidden_size=config.hidden_size,
+        intermediate_size=intermediate_size or 2 * config.hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=num_key_value_heads or min(heads, getattr(config, "num_key_value_heads", heads)),
+        vocab_size=config.vocab_size,
+        rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+        max_position_embeddings=getattr(config, "max_position_embeddings", 8192),
+        lm_head_rows=lm_head_rows,
+    )
+    torch.manual_seed(seed)
+    head = FeatureHead(head_config)
+    if scale != 1.0:
+        with torch.no_grad():
+            for p in (head.fc.weight, head.layer.self_attn.o_proj.weight, head.layer.mlp.down_proj.weight):
+                p.mul_(scale)
+    return head.eval()
+
+
+# -- the worker ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _HeadSeq:
+    """One sequence's state in a head: its entries (one per position, in order) and the source's
+    features it has been handed but not fed yet."""
+
+    tokens: list[int] = field(default_factory=list)  # the token of each entry
+    keys: torch.Tensor | None = None  # [kv_heads, entries, head_dim]
+    values: torch.Tensor | None = None
+    out: torch.Tensor | None = None  # [entries, hidden]: each entry's predicted feature f̂
+    real: int = 0  # the leading entries fed with the source's features (entry 0: the zero feature)
+    feats: torch.Tensor | None = None  # the source's features of positions feat_start .. (not fed yet)
+    feat_start: int = 0
+    feat_tokens: list[int] = field(default_factory=list)  # the tokens those features read
+
+    def crop(self, n: int) -> None:
+        if n < len(self.tokens):
+            del self.tokens[n:]
+            self.keys, self.values, self.out = self.keys[:, :n], self.values[:, :n], self.out[:n]
+        self.real = min(self.real, n)
+
+
+class _PassCache:
+    """The head layer's cache for one batched pass: the rows' past keys/values (left-padded),
+    with the pass's new ones appended; keeps the new ones for the sequences' own caches."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+        self.new: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, keys, values, layer_idx=0, *args, **kwargs):
+        self.new = (keys, values)
+        return torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2)
+
+
+def _left_pad(x: torch.Tensor | None, length: int, like: torch.Tensor) -> torch.Tensor:
+    """``[heads, n, dim]`` (None: n = 0) -> ``[heads, length, dim]``, zeros first."""
+    if x is None:
+        return like.new_zeros((like.shape[0], length, like.shape[2]))
+    return x if x.shape[1] == length else torch.nn.functional.pad(x, (0, 0, length - x.shape[1], 0))
+
+
+class HeadWorker(Worker):
+    """A draft level over a :class:`FeatureHead` and the embedding and LM head of the level whose
+    features it reads (see the module docstring). ``features_of`` names that level for the
+    engine, which hands the head its features before it drafts (:func:`hand_features`)."""
+
+    can_score = False
+
+    def __init__(self, head: FeatureHead, embed: nn.Module, lm_head: nn.Module, features_of: str | None = None,
+                 draft_vocab: DraftVocab | None = None):
+        self.head = head.eval()
+        self.embed, self.lm_head = embed, lm_head
+        self.features_of = features_of
+        self.device = next(head.parameters()).device
+        self.dtype = next(head.parameters()).dtype
+        config = head.config
+        self.hidden_size = config.hidden_size
+        rows = int(lm_head.weight.shape[0])
+        if config.vocab_size != rows or int(embed.weight.shape[1]) != config.hidden_size:
+            raise ValueError(f"the head expects a source of width {config.hidden_size} over {config.vocab_size} "
+                             f"tokens; its source has width {int(embed.weight.shape[1])} over {rows}")
+        self.vocab_size = rows
+        self.draft_vocab = draft_vocab
+        if draft_vocab is not None and draft_vocab.authority_vocab_size != rows:
+            raise ValueError(f"draft_vocab.json is over {draft_vocab.authority_vocab_size} tokens; the source has {rows}")
+        want = (draft_vocab.size - 1) if draft_vocab is not None else rows
+        if head.lm_head is not None and head.lm_head.weight.shape[0] != want:
+            raise ValueError(f"the head's own lm_head has {head.lm_head.weight.shape[0]} rows; expected {want}")
+        self._ids = draft_vocab.ids.to(self.device) if draft_vocab is not None else None
+        if head.lm_head is None and draft_vocab is not None:  # the source's LM head restricted to the draft vocabulary
+            self._trimmed = lm_head.weight.detach()[self._ids].clone()
+        else:
+            self._trimmed = None
+        self.context_length = config.max_position_embeddings
+        self._seqs: dict[str, _HeadSeq] = {}
+
+    @classmethod
+    def load(cls, path: str | Path, source, features_of: str | None = None) -> "HeadWorker":
+        """The head saved in ``path``, over ``source``'s own embedding and LM head (an
+        :class:`~workers.hf.HFWorker`, which from now on keeps its features), on its device
+        and in its dtype."""
+        model = source.model
+        head = FeatureHead.from_pretrained(path, dtype=next(model.parameters()).dtype, device=source.device)
+        worker = cls(head, model.get_input_embeddings(), model.get_output_embeddings(), features_of,
+                     DraftVocab.load(path))
+        source.keep_features()
+        return worker
+
+    def score(self, seq_ids, token_ids, num_positions):
+        raise TypeError("a feature head cannot verify; it can only propose")
+
+    # -- the hand-off ------------------------------------------------------------------------
+
+    def features_needed(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[int]:
+        """Per sequence, the first position whose source feature the head lacks to feed
+        ``token_ids[b]`` with real features (it needs those of positions ``start .. len - 2``)."""
+        starts = []
+        for s, toks in zip(seq_ids, token_ids):
+            state = self._seqs.get(s)
+            keep = 0 if state is None else min(common_prefix(state.tokens, list(toks)), state.real)
+            starts.append(max(keep - 1, 0))
+        return starts
+
+    @torch.inference_mode()
+    def take_features(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], starts: Sequence[int],
+                      features: Sequence[torch.Tensor]) -> None:
+        """The source's features of positions ``starts[b] .. starts[b] + n_b - 1`` of ``token_ids[b]``
+        (``features[b]`` ``[n_b, hidden]``), for the head's next pass. Entries fed with the head's
+        own predictions where these now give the real feature are dropped."""
+        for s, toks, start, feats in zip(seq_ids, token_ids, starts, features):
+            toks = list(toks)
+            state = self._seqs.get(s)
+            if state is None:
+                state = self._seqs[s] = _HeadSeq()
+            state.crop(common_prefix(state.tokens, toks))
+            end = start + feats.shape[0]
+            if state.real < len(state.tokens) and end >= state.real:
+                state.crop(state.real)  # its first predicted entry now has its real feature
+            if start > max(len(state.tokens) - 1, 0):
+                raise ValueError(f"take_features: features from position {start}, but the head holds "
+                                 f"{len(state.tokens)} entries: positions {max(len(state.tokens) - 1, 0)}.."
+                                 f"{start - 1} are missing")
+            state.feats = feats.to(device=self.device, dtype=self.dtype)
+            state.feat_start, state.feat_tokens = start, toks[:end]
+
+    # -- drafting ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _next_logits(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """One drafting step of :meth:`Worker.draft`: logits ``[1, vocab]`` predicting the token
+        after each sequence, from the head's entries up to its last token (fed now where missing:
+        real features first, in one pass; then, where the sequence runs past them, one predicted
+        entry per pass)."""
+        states = []
+        for s, toks in zip(seq_ids, token_ids):
+            toks = list(toks)
+            if not toks:
+                raise ValueError("draft: an empty sequence")
+            state = self._seqs.get(s)
+            if state is None:
+                state = self._seqs[s] = _HeadSeq()
+            state.crop(common_prefix(state.tokens, toks))
+            if state.feats is not None and toks[:len(state.feat_tokens)] != state.feat_tokens:
+                state.feats = None  # handed for another sequence (a rolled-back block)
+            states.append((state, toks))
+        while True:
+            runs = [(b, *self._run(state, toks)) for b, (state, toks) in enumerate(states) if len(state.tokens) < len(toks)]
+            if not runs:
+                break
+            self._pass(runs, states)
+        hidden = torch.stack([state.out[-1] for state, _ in states])
+        return list(self._logits(hidden)[:, None])
+
+    def _run(self, state: _HeadSeq, toks: list[int]) -> tuple[list[int], torch.Tensor, int]:
+        """What the next pass can feed a sequence: its next entries' tokens, their input features
+        and how many of them are real. The first may use the head's own last prediction; the
+        others only features the source handed over."""
+        c = len(state.tokens)
+        feats, real = [], 0
+        for t in range(c, len(toks)):
+            f = self._real_feature(state, t)
+            if f is None:
+                if t > c:
+                    break
+                f = state.out[t - 1]  # predicted: the head's own f̂ of the entry before
+            elif len(feats) == real:
+                real += 1
+            feats.append(f)
+        return toks[c:c + len(feats)], torch.stack(feats), real
+
+    def _real_feature(self, state: _HeadSeq, t: int) -> torch.Tensor | None:
+        if t == 0:
+            return torch.zeros(self.hidden_size, device=self.device, dtype=self.dtype)
+        i = t - 1 - state.feat_start
+        if state.feats is not None and 0 <= i < state.feats.shape[0]:
+            return state.feats[i]
+        return None
+
+    def _pass(self, runs, states) -> None:
+        """One batched forward pass of the head: each run's entries after its sequence's cache
+        (left-padded pasts, right-padded new entries, a mask hiding the pads)."""
+        dev, dtype = self.device, self.dtype
+        cached = [states[b][0] for b, *_ in runs]
+        lengths = [len(toks) for _, toks, _, _ in runs]
+        pasts = [len(state.tokens) for state in cached]
+        width, past = max(lengths), max(pasts)
+        feats = torch.nn.utils.rnn.pad_sequence([f for _, _, f, _ in runs], batch_first=True)
+        ids = torch.tensor([toks + [0] * (width - len(toks)) for _, toks, _, _ in runs], dtype=torch.long, device=dev)
+        c = torch.tensor(pasts, device=dev)[:, None]
+        positions = c + torch.arange(width, device=dev)
+        # a row sees its own past (the last c of the past columns) and, causally, its real new entries;
+        # pad rows see the real ones too: no row is empty
+        seen_past = torch.arange(past, device=dev) >= past - c
+        seen_new = torch.ones(width, width, dtype=torch.bool, device=dev).tril() & (
+            torch.arange(width, device=dev) < torch.tensor(lengths, device=dev)[:, None])[:, None, :]
+        mask = torch.cat([seen_past[:, None, :].expand(-1, width, -1), seen_new], dim=2)[:, None]
+        if past:
+            like = next(state.keys for state in cached if state.keys is not None)
+            keys = torch.stack([_left_pad(state.keys, past, like) for state in cached])
+            values = torch.stack([_left_pad(state.values, past, like) for state in cached])
+        else:
+            attn = self.head.layer.self_attn
+            keys = values = torch.zeros(len(runs), self.head.config.num_key_value_heads, 0, attn.head_dim,
+                                        device=dev, dtype=dtype)
+        cache = _PassCache(keys, values)
+        out = self.head(feats, self.embed(ids), positions, mask, cache)
+        new_keys, new_values = cache.new
+        for i, (state, (_, toks, _, real)) in enumerate(zip(cached, runs)):
+            n, w = len(state.tokens), len(toks)
+            k, v, o = new_keys[i, :, :w], new_values[i, :, :w], out[i, :w]
+            if n:
+                state.keys = torch.cat([state.keys, k], dim=1)
+                state.values = torch.cat([state.values, v], dim=1)
+                state.out = torch.cat([state.out, o])
+            else:
+                state.keys, state.values, state.out = k.clone(), v.clone(), o.clone()
+            if state.real == n:
+                state.real += real
+            state.tokens.extend(toks)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Authority-width logits ``[rows, vocab]`` (float32 at least, on the host) from
+        predicted features ``[rows, hidden]``: ``-inf`` outside a draft vocabulary."""
+        if self.head.lm_head is not None:
+            logits = self.head.lm_head(hidden)
+        elif self._trimmed is not None:
+            logits = torch.nn.functional.linear(hidden, self._trimmed)
+        else:
+            logits = self.lm_head(hidden)
+        if self._ids is not None:
+            rows = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            rows[:, self._ids] = logits
+            logits = rows
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return logits.cpu()
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def entries(self, seq_id: str) -> tuple[list[int], int]:
+        """The tokens of a sequence's entries in the head's cache and how many lead with real
+        features (for tests and monitoring)."""
+        state = self._seqs.get(seq_id)
+        return ([], 0) if state is None else (list(state.tokens), state.real)
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        for s in seq_ids:
+            self._seqs.pop(s, None)
+
+    def cached_sequences(self) -> int:
+        return len(self._seqs)
+
+    def close(self) -> None:
+        self._seqs.clear()
+
+
+def hand_features(head: HeadWorker, source, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
+                  ends: Sequence[int] | None = None) -> list[int]:
+    """Hand ``head`` the features it lacks of each sequence ``token_ids[b]``, from ``source``
+    (the worker of its ``features_of`` level): those of positions up to ``ends[b] - 1`` (default:
+    all but the last position, ``len - 2``, which is all a head ever needs). Returns the
+    sequences (indices) the source was asked for features."""
+    if ends is None:
+        ends = [len(t) - 1 for t in token_ids]
+    starts = head.features_needed(seq_ids, token_ids)
+    asked = [b for b in range(len(seq_ids)) if starts[b] < ends[b]]
+    if asked:
+        feats = source.features([seq_ids[b] for b in asked], [list(token_ids[b])[:ends[b] + 1] for b in asked],
+                                [starts[b] for b in asked])
+        head.take_features([seq_ids[b] for b in asked], [token_ids[b] for b in asked],
+                           [starts[b] for b in asked], feats)
+    return asked
