@@ -13,7 +13,7 @@ from cascade.build import Backend, load_tokenizer, resolve_backend
 from cascade.engine import Batch, Engine, Request, RequestState
 from cascade.errors import ClosedError, RequestError, TopologyError, WorkerError
 from cascade.stats import RequestStats, StepProvenance, cut_provenance
-from cascade.topology import Topology, load_topology
+from cascade.topology import Topology, check_heads, load_topology
 from cascade.validation import DEVICE_PATTERN, GenerationParams, check_token_ids, generation_params, normalize_prompt, normalize_prompts
 from policies import Policy, PolicyError, from_spec, parse_policy_spec
 from workers.base import Worker
@@ -108,6 +108,7 @@ class Cascade:
             backend_cls = resolve_backend(name)
         except LookupError as exc:
             raise RequestError(f"backend: {exc}") from None
+        check_heads(topo.spec, topo.source, backend=name)  # feature heads run in process only
         pol = _policy_arg(policy, policy_params, topo.source, topology=topo)
         tokenizer = load_tokenizer(topo)
         started = backend_cls.start(topo, address=address, device=device)

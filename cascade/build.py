@@ -51,8 +51,12 @@ def build_workers(topo: Topology, device: str | None = None) -> dict[str, Worker
     """Instantiate every level's worker in this process."""
     workers: dict[str, Worker] = {}
     levels = list(enumerate(topo.spec.levels))
-    # n-gram levels take the authority's vocabulary size: build them last.
-    for i, level in sorted(levels, key=lambda il: il[1].kind == "ngram"):
+    # n-gram levels take the authority's vocabulary size, heads their source's modules: build them last.
+    for i, level in sorted(levels, key=lambda il: il[1].kind in ("ngram", "head")):
+        if level.kind == "head":
+            workers[level.name] = build_head(level, level_model_path(topo, level), i, topo.source,
+                                             workers[level.features_of])
+            continue
         vocab = workers[topo.authority].vocab_size if level.kind == "ngram" else None
         workers[level.name] = build_worker(level, level_model_path(topo, level), i, topo.source, device, vocab)
     check_vocab_sizes(topo, {name: w.vocab_size for name, w in workers.items()})
@@ -60,7 +64,24 @@ def build_workers(topo: Topology, device: str | None = None) -> dict[str, Worker
 
 
 def level_model_path(topo: Topology, level: LevelSpec) -> str | None:
-    return topo.model_path(level) if level.kind == "hf" else None
+    return topo.model_path(level) if level.kind in ("hf", "head") else None
+
+
+def build_head(level: LevelSpec, model_path: str, index: int, source: str, reads: Worker) -> Worker:
+    """A feature head (``kind: head``, :mod:`workers.head`) over ``reads``, the in-process
+    worker of its ``features_of`` level: the head shares that worker's embedding and LM head,
+    runs on its device in its dtype, and the worker keeps its hidden states from now on."""
+    from workers.head import HeadWorker
+    from workers.hf import HFWorker
+
+    where = f"{source}: levels[{index}]"
+    if not isinstance(reads, HFWorker):
+        raise TopologyError(f"{where}.features_of: {level.features_of!r} does not run in this process as a "
+                            "transformers worker; a feature head needs its model's modules")
+    try:
+        return HeadWorker.load(model_path, reads, level.features_of)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise TopologyError(f"{where}.model: cannot load the head: {exc}") from None
 
 
 def build_worker(
@@ -94,6 +115,10 @@ def build_worker(
         from workers.ngram import NGramWorker
 
         return NGramWorker(vocab_size, **level.params)
+    if level.kind == "head":
+        raise TopologyError(f"{source}: levels[{index}] ({level.name}): a feature head is built beside the "
+                            "worker of its features_of level (build_workers, in process); the Ray backend "
+                            "does not support kind: head yet")
     return _custom_worker(source, index, level.kind, level.params)
 
 

@@ -44,12 +44,15 @@ class LevelSpec(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$", description="Unique level name.")
     kind: str = Field(
         "hf",
-        description="'hf' (transformers causal LM), 'ngram' (prompt lookup) or 'module:Class' "
-        "for a custom Worker built as Class(**params).",
+        description="'hf' (transformers causal LM), 'ngram' (prompt lookup), 'head' (a feature head "
+        "reading an hf level's hidden states) or 'module:Class' for a custom Worker built as Class(**params).",
     )
     model: str | None = Field(
         None, description="Hub id, path (relative to the YAML file), or 'pulled:NAME' for a model "
-        "`cascade pull NAME` put in the user cache; hf only.")
+        "`cascade pull NAME` put in the user cache; hf and head (a folder) only.")
+    features_of: str | None = Field(
+        None, description="The hf level whose last hidden states a head reads (and whose embedding and "
+        "LM head it uses); head only.")
     gguf_file: str | None = Field(
         None, description="A GGUF file inside 'model' (a folder) to load and dequantize, as "
         "transformers' from_pretrained(gguf_file=) does; hf only.")
@@ -68,8 +71,8 @@ class LevelSpec(BaseModel):
     @field_validator("kind")
     @classmethod
     def _known_kind(cls, v: str) -> str:
-        if v not in ("hf", "ngram") and not re.match(r"^[\w.]+:[\w.]+$", v):
-            raise ValueError("must be 'hf', 'ngram' or a 'module:Class' path")
+        if v not in ("hf", "ngram", "head") and not re.match(r"^[\w.]+:[\w.]+$", v):
+            raise ValueError("must be 'hf', 'ngram', 'head' or a 'module:Class' path")
         return v
 
     @model_validator(mode="after")
@@ -80,6 +83,17 @@ class LevelSpec(BaseModel):
             raise ValueError("an 'ngram' level takes no 'model'")
         if self.gguf_file is not None and self.kind != "hf":
             raise ValueError("'gguf_file' is for 'hf' levels")
+        if self.kind == "head":
+            if not self.model:
+                raise ValueError("a 'head' level needs a 'model' (the folder of the head)")
+            if not self.features_of:
+                raise ValueError("a 'head' level needs 'features_of' (the hf level whose features it reads)")
+            fixed = sorted(self.model_fields_set & {"dtype", "device", "trust_remote_code", "params"})
+            if fixed:
+                raise ValueError(f"a 'head' level runs on its features_of level's device and dtype; "
+                                 f"it takes no {', '.join(repr(f) for f in fixed)}")
+        elif self.features_of is not None:
+            raise ValueError("'features_of' is for 'head' levels")
         return self
 
 
@@ -262,7 +276,7 @@ def check_params(spec: TopologySpec, graph: nx.DiGraph, authority: str, source: 
     from workers.ngram import NGramParams
 
     for i, level in enumerate(spec.levels):
-        if level.kind not in ("hf", "ngram"):
+        if level.kind not in ("hf", "ngram", "head"):
             check_custom_worker(level.kind, level.params, f"{source}: levels[{i}]")
         if level.kind == "ngram":
             try:
@@ -339,9 +353,11 @@ def build_graph(spec: TopologySpec, source: str = "<spec>") -> tuple[nx.DiGraph,
             raise TopologyError(f"{source}: levels[{i}] ({n}): does not reach the authority {authority!r}")
     for n in graph:
         level = spec.level(n)
-        if level.kind == "ngram" and (graph.in_degree(n) > 0 or n == authority):
+        if level.kind in ("ngram", "head") and (graph.in_degree(n) > 0 or n == authority):
             i = spec.level_index(n)
-            raise TopologyError(f"{source}: levels[{i}] ({n}): an ngram level can only propose, not verify")
+            article = "an" if level.kind == "ngram" else "a"
+            raise TopologyError(f"{source}: levels[{i}] ({n}): {article} {level.kind} level can only propose, not verify")
+    check_heads(spec, source)
     auth = spec.level(authority)
     if auth.sampling is not None:
         i = spec.level_index(authority)
@@ -352,6 +368,25 @@ def build_graph(spec: TopologySpec, source: str = "<spec>") -> tuple[nx.DiGraph,
     return graph, authority
 
 
+def check_heads(spec: TopologySpec, source: str = "<spec>", backend: str | None = None) -> None:
+    """Each feature head (``kind: head``) reads an hf level of the topology, and runs where its
+    features can be handed to it: in process (``backend``: the one the topology will run on)."""
+    backend = backend or spec.backend
+    names = {lv.name: lv for lv in spec.levels}
+    for i, level in enumerate(spec.levels):
+        if level.kind != "head":
+            continue
+        target = names.get(level.features_of)
+        if target is None:
+            raise TopologyError(f"{source}: levels[{i}].features_of: unknown level {level.features_of!r}")
+        if target.kind != "hf":
+            raise TopologyError(f"{source}: levels[{i}].features_of: {level.features_of!r} is a {target.kind!r} "
+                                "level; a head reads the hidden states of an 'hf' level")
+        if backend == "ray":
+            raise TopologyError(f"{source}: levels[{i}] ({level.name}): a feature head runs in process only "
+                                "(backend: local): the Ray backend does not hand it its source's features yet")
+
+
 def check_model_files(topo: Topology) -> None:
     """Model paths exist, with a config.json and safetensors headers that agree with it
     (:mod:`cascade.checkpoint`: no weights are read); the tokenizer loads; every hf level shares
@@ -360,6 +395,8 @@ def check_model_files(topo: Topology) -> None:
 
     src = topo.source
     for i, level in enumerate(topo.spec.levels):
+        if level.kind == "head":
+            _check_head_files(topo, i, level)
         if level.kind != "hf":
             continue
         ref = level.model or ""
@@ -375,6 +412,35 @@ def check_model_files(topo: Topology) -> None:
             raise TopologyError(f"{src}: levels[{i}].model: path does not exist: {local}")
     _check_tokenizer(topo)
     _check_vocabularies(topo)
+
+
+def _check_head_files(topo: Topology, i: int, level: LevelSpec) -> None:
+    """A head's model is a folder with its config and weights (workers/head.py)."""
+    import json
+
+    from workers.head import CONFIG, WEIGHTS, HeadConfig
+
+    where = f"{topo.source}: levels[{i}].model"
+    path = Path(topo.model_path(level))
+    if not path.is_dir():
+        raise TopologyError(f"{where}: a head is a folder; no such folder: {path}")
+    for name in (CONFIG, WEIGHTS):
+        if not (path / name).is_file():
+            raise TopologyError(f"{where}: {path} has no {name} (not a feature head)")
+    try:
+        config = HeadConfig.load(path)
+    except (ValueError, TypeError) as exc:
+        raise TopologyError(f"{where}: {CONFIG}: {exc}") from None
+    source = Path(topo.model_path(topo.spec.level(level.features_of))) / "config.json"
+    if source.is_file():  # the width and vocabulary it reads must be its source's
+        try:
+            reads = json.loads(source.read_text())
+        except ValueError:
+            return  # the source's own check names its config
+        for key in ("hidden_size", "vocab_size"):
+            if key in reads and reads[key] != getattr(config, key):
+                raise TopologyError(f"{where}: {CONFIG}: {key} {getattr(config, key)} differs from its features_of "
+                                    f"level's ({level.features_of}) {reads[key]}")
 
 
 def _check_tokenizer(topo: Topology) -> None:

@@ -278,8 +278,8 @@ class EscalationPolicy(CostAwarePolicy):
 
     def _shapes(self, ctx: PlanContext, path: tuple[str, ...]) -> list[tuple[int, ...] | None]:
         """The first edge's choices on ``path``: a chain (None), or a tree of each shape where
-        the first level can score (an n-gram level cannot)."""
-        if not self.trees or len(path) < 2 or ctx.graph.nodes[path[0]].get("kind") == "ngram":
+        the first level can score (an n-gram level or a feature head cannot)."""
+        if not self.trees or len(path) < 2 or ctx.graph.nodes[path[0]].get("kind") in ("ngram", "head"):
             return [None]
         return [None, *self.trees]
 

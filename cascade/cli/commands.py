@@ -42,7 +42,10 @@ def validate(args) -> int:
     print("levels:")
     for level in spec.levels:
         where = level.model if level.kind == "hf" else level.params or ""
-        print(f"  {level.name:<12} {level.kind:<8} {level.dtype:<8} {level.device:<7} {where}")
+        dtype, device = level.dtype, level.device
+        if level.kind == "head":  # on its source's device, in its dtype
+            where, dtype, device = f"{level.model} (reads {level.features_of})", "-", "-"
+        print(f"  {level.name:<12} {level.kind:<8} {dtype:<8} {device:<7} {where}")
     print("edges (proposer -> verifier):")
     for a, b in topo.graph.edges:
         print(f"  {a} -> {b}")

@@ -43,7 +43,7 @@ def run(args) -> int:
         print("cascade cost-curve: --positions must be integers >= 1", file=sys.stderr)
         return 2
     with torch_threads(args.threads) as threads, Cascade.from_topology(args.topology) as c:
-        levels = args.levels or [lv.name for lv in c.topology.spec.levels if lv.kind != "ngram"]
+        levels = args.levels or [lv.name for lv in c.topology.spec.levels if c.workers[lv.name].can_score]
         print(threads_line(threads))
         result = {"topology": args.topology, "threads": threads, "prefix": args.prefix, "levels": {}}
         for level in levels:
