@@ -388,10 +388,36 @@ class Engine:
             self._extend(asked, i - 1, plan, policy)
         return blocks
 
+    def _hand_features(self, level: str, seqs: list[_Seq], policy: Policy) -> None:
+        """A feature head (``workers/head.py``) drafts from the last hidden states of the level it
+        reads (its ``features_of``): hand it those of each prefix it lacks, as far as that level
+        has computed them — every committed position (the first step computes the prompt's: the
+        prefill that level's own first pass then skips), and of this step's tokens those it has
+        scored. Past them the head feeds its own predictions. A pass the level runs for this is
+        priced to it."""
+        head = self.workers[level]
+        source = getattr(head, "features_of", None)
+        if source is None:
+            return
+        from workers.head import hand_features
+
+        seen = [common_prefix(s.state.level_tokens.get(source, []), s.prefix) for s in seqs]
+        # features of positions < end: the level holds those of the tokens it was fed
+        ends = [max(len(s.state.request.prompt_ids) + len(s.state.generated) - 1, min(n, len(s.prefix) - 1))
+                for s, n in zip(seqs, seen)]
+        t0 = time.perf_counter()
+        hand_features(head, self.workers[source], [s.state.seq_id for s in seqs], [s.prefix for s in seqs], ends)
+        seconds = time.perf_counter() - t0
+        computed = [a for a, (n, end) in enumerate(zip(seen, ends)) if n < end]
+        if computed:  # the level has not seen these positions: it computes them now
+            self._price(source, [seqs[a] for a in computed], policy, seconds,
+                        [_Feed(seqs[a].prefix[:ends[a] + 1], 1, ends[a] + 1, 1, 1) for a in computed])
+
     def _draft(self, seqs: list[_Seq], level: str, sampling: Sampling, stop: StopRule | None,
                policy: Policy) -> None:
         """The path's first level drafts each block autoregressively, one forward pass per token
         for all sequences still drafting; ``stop`` may end a block early."""
+        self._hand_features(level, seqs, policy)
         uniforms = [s.draws(sampling, s.budget) for s in seqs]  # a block's draws, all up front
         t0 = time.perf_counter()
         drafts = self.workers[level].draft([s.state.seq_id for s in seqs], [s.prefix for s in seqs],
