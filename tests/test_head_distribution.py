@@ -1,0 +1,107 @@
+"""Exactness with a feature head: the first two tokens drawn through the real engine, with a head
+drafting from the authority's features, follow the authority's own distribution, computed by
+enumeration with plain forward passes — and a head whose ``Draft.probs`` are not what it sampled
+from fails the same test.
+
+The setup is the smallest honest one: a float64 Llama authority over 8 tokens (width 8, one
+layer) and a head whose layer is a perturbed copy of the authority's, reading its features
+(tests/head_util.py: it agrees with the authority often, not always, so blocks are accepted,
+partly rejected and rejected, and the hand-off of real features after a rejection takes part).
+Draws run 256 requests at a time, residual coupling (each request draws from its own generator,
+so a batch gives the distribution of one request alone: tests/draws.py).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import workers.head
+from cascade import Cascade
+from conftest import make_llama, write_topology
+from head_util import copy_head
+from stats_util import chi_square_pvalue, total_variation
+
+VOCAB = 8
+PROMPT = [1, 2, 3]
+BATCH = 256
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("head-dist")
+    auth = make_llama(root / "auth", VOCAB, seed=31, hidden=8, layers=1, logit_scale=15.0, dtype=torch.float64)
+    make_llama(root / "small", VOCAB, seed=33, base=auth, noise=0.5, dtype=torch.float64)
+    copy_head(auth, noise=0.2, seed=32, feature_weight=0.3).save_pretrained(root / "head")
+    return root
+
+
+def topology(root, path: list[str]) -> str:
+    levels = [{"name": "head", "kind": "head", "model": str(root / "head"), "features_of": "auth"}]
+    levels += [{"name": n, "model": str(root / n), "dtype": "float64", "device": "cpu"} for n in path[1:]]
+    lookahead = {"head": 3, "small": 3}
+    data = {"levels": levels, "policy": {"name": "fixed", "params": {"lookahead": {n: lookahead[n] for n in path[:-1]}}}}
+    return str(write_topology(root / f"{'-'.join(path)}.yaml", data))
+
+
+def exact_pairs(model_dir) -> dict:
+    """The authority's distribution of the first two tokens (T = 1), by enumeration."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([PROMPT])).logits[0, -1], -1)
+        second = torch.softmax(model(torch.tensor([PROMPT + [a] for a in range(VOCAB)])).logits[:, -1], -1)
+    return {(a, b): float(first[a] * second[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
+
+
+def draw(topo: str, n: int, seed: int, edge: str = "head->auth"):
+    with Cascade.from_topology(topo) as c:
+        results = c.generate([PROMPT] * n, max_new_tokens=4, temperature=1.0, seed=seed, batch_size=BATCH,
+                             coupling="residual")
+    counts = Counter(tuple(g.token_ids[:2]) for g in results)
+    edges = [g.stats.edges[edge] for g in results if edge in g.stats.edges]
+    proposed, accepted = sum(e.proposed for e in edges), sum(e.accepted for e in edges)
+    return counts, proposed, accepted
+
+
+def check(counts, expected, n, tv_bound):
+    stat, pvalue = chi_square_pvalue(counts, expected, n)
+    tv = total_variation(counts, expected, n)
+    assert pvalue > 1e-4, (stat, pvalue, tv)
+    assert tv < tv_bound, (stat, pvalue, tv)
+
+
+def test_head_then_authority_is_exact(setup):
+    """100k draws (about 130 s on one core of the development machine)."""
+    n = 100_000
+    counts, proposed, accepted = draw(topology(setup, ["head", "auth"]), n, seed=1)
+    assert 0.2 < accepted / proposed < 0.9  # the head drafts, the authority accepts some, rejects some
+    check(counts, exact_pairs(setup / "auth"), n, 0.014)
+
+
+def test_head_drafting_for_a_drafter_is_exact(setup):
+    """head -> small -> auth: within a step the head drafts past the authority's features (the
+    drafter's tokens), feeding its own predictions there."""
+    n = 20_000
+    counts, proposed, accepted = draw(topology(setup, ["head", "small", "auth"]), n, seed=2, edge="head->small")
+    assert proposed > n and 0 < accepted < proposed
+    check(counts, exact_pairs(setup / "auth"), n, 0.03)
+
+
+def test_draft_probs_that_are_not_what_the_head_sampled_from_fail(setup, monkeypatch):
+    """The negative control: the head samples as before but reports uniform ``draft_probs``; the
+    acceptance rule then favours the head's own likely tokens, and the same test fails decisively."""
+    real = workers.head.HeadWorker.draft
+
+    def misreported(self, *args, **kwargs):
+        drafts = real(self, *args, **kwargs)
+        for d in drafts:
+            d.probs = torch.full_like(d.probs, 1.0 / d.probs.shape[-1])
+        return drafts
+
+    monkeypatch.setattr(workers.head.HeadWorker, "draft", misreported)
+    n = 20_000
+    counts, _, _ = draw(topology(setup, ["head", "auth"]), n, seed=3)
+    _, pvalue = chi_square_pvalue(counts, exact_pairs(setup / "auth"), n)
+    assert pvalue < 1e-9
