@@ -16,6 +16,10 @@ Four ways to use it (see ``cascade distill --help``):
 
       cascade distill --family examples/models --corpus stdlib
 
+* a feature head (EAGLE-1) for the authority that ``cascade record`` recorded (:mod:`cascade.train.head`)::
+
+      cascade distill --head --records runs/rec --draft-vocab 8192 --out runs/head
+
 * a model continued (``--teacher none --init DIR``) with cross-entropy, every K-th step a
   sequence-level unlikelihood step that trains it away from its own greedy loops
   (``--unlikelihood-every K``, :mod:`cascade.train.unlikelihood`)::
@@ -79,6 +83,8 @@ def add_parser(sub) -> None:
             "  # one student (or several: repeat --size/--out) against any HF causal-LM teacher\n"
             "  cascade distill --teacher examples/models/large --size tiny --corpus stdlib --out runs/tiny\n"
             "  cascade distill --teacher my/teacher --size 2x96 --size 4x128 --corpus src/ --steps 2000\n"
+            "  # a feature head (EAGLE-1) for the authority that recorded runs/rec, over its draft vocabulary\n"
+            "  cascade distill --head --records runs/rec --draft-vocab 8192 --steps 2000 --out runs/head\n"
             "  # continue distilling an existing drafter (its shape and weights) against a teacher\n"
             "  cascade distill --teacher examples/models/large --init examples/models/tiny --kl-weight 1.0 \\\n"
             "      --lr 1e-3 --max-minutes 45 --seed 1 --out runs/tiny-more\n"
@@ -104,6 +110,11 @@ def add_parser(sub) -> None:
     mode.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                       help="--records: trim the students' vocabulary to the N authority tokens with the "
                       "most recorded probability mass (workers.draft_vocab); 0 = the whole vocabulary")
+    mode.add_argument("--head", action="store_true",
+                      help="--records: train a feature head (EAGLE-1, workers/head.py) for the authority "
+                      "instead of drafters, on its features over the recorded conversations (computed once by "
+                      "the authority, cached beside the records); --teacher names the authority (default: "
+                      "the records'). See cascade/train/head.py")
     mode.add_argument("--teacher", metavar="DIR|none", help="teacher model directory (HF causal LM), "
                       "or 'none' to train from scratch with cross-entropy")
     mode.add_argument("--size", action="append", metavar="SIZE",
@@ -164,6 +175,27 @@ def add_parser(sub) -> None:
     opt.add_argument("--rollout-prefix", type=int, default=48, help="unlikelihood steps: prefix tokens per row")
     opt.add_argument("--rollout-tokens", type=int, default=96, help="unlikelihood steps: greedy tokens written per row")
 
+    head = p.add_argument_group("feature head (--head)")
+    head.add_argument("--features", metavar="DIR", help="the feature cache (default RECORDS/features); resumed "
+                      "shard by shard")
+    head.add_argument("--teacher-dtype", choices=["fastest", "float32", "bfloat16"], default="fastest",
+                      help="the authority's dtype for the feature pass and the drafting check (fastest: "
+                      "bfloat16 where the device computes it natively, else float32)")
+    head.add_argument("--head-ffn", type=int, default=0, metavar="N",
+                      help="the head's MLP width (0: the authority's intermediate size)")
+    head.add_argument("--head-lm-head", choices=["authority", "own"], default="authority",
+                      help="authority: logits from the authority's frozen LM head (restricted to the draft "
+                      "vocabulary), nothing saved; own: the head trains and ships its own output head, "
+                      "initialised from the authority's rows")
+    head.add_argument("--reg-weight", type=float, default=1.0, help="weight of the smooth-L1 feature regression")
+    head.add_argument("--cls-weight", type=float, default=0.1,
+                      help="weight of KL(authority || head) on the (draft) vocabulary")
+    head.add_argument("--feature-noise", type=float, default=0.0, metavar="A",
+                      help="uniform noise of A x the features' RMS on the head's input features in training")
+    head.add_argument("--eval-drafts", type=int, default=256, metavar="N",
+                      help="held-out positions at which the head drafts 3 tokens greedily for the acceptance "
+                      "figures (one authority pass per conversation); 0 = skip")
+
     run_g = p.add_argument_group("running")
     run_g.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     run_g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -194,6 +226,14 @@ def run(args) -> int:
                   "students follow their teacher by distillation", file=sys.stderr)
             return 2
         return run_family(args)
+    if args.head:
+        if not args.records or args.family or args.init or args.size or (args.out and len(args.out) > 1):
+            print("cascade distill: --head trains on --records DIR (--teacher: the authority, default the "
+                  "records'); its shape is the authority's: no --size, --init or --family; one --out", file=sys.stderr)
+            return 2
+        from cascade.train.head import run_head
+
+        return run_head(args)
     if args.records:
         if args.teacher or args.init or not args.size:
             print("cascade distill: --records takes its teacher from the records: give --size (and --out), "

@@ -41,13 +41,7 @@ def load_records(folder: str | Path, held_out: bool, held_out_every: int = 20) -
     if not meta_path.is_file():
         raise SystemExit(f"cascade distill: {folder} has no record.json (write it with cascade record)")
     meta = json.loads(meta_path.read_text())
-    shards = sorted(folder.glob("shard-*.pt"))
-    # every held_out_every-th shard is held out; with fewer shards than that, the last one
-    last = min(held_out_every, len(shards)) - 1
-    chosen = [s for i, s in enumerate(shards) if (i % held_out_every == last) == held_out]
-    if not chosen:
-        raise SystemExit(f"cascade distill: {folder}: no {'held-out' if held_out else 'training'} shards "
-                         f"among {len(shards)} (every {held_out_every}th is held out; record at least two)")
+    chosen = record_shards(folder, held_out, held_out_every)
     tokens, ids, logp = [], [], []
     for path in chosen:
         shard = torch.load(path, weights_only=False)
@@ -63,6 +57,19 @@ def load_records(folder: str | Path, held_out: bool, held_out_every: int = 20) -
             start += length
             rows += length - 1
     return Records(torch.cat(tokens), torch.cat(ids), torch.cat(logp), meta)
+
+
+def record_shards(folder: str | Path, held_out: bool, held_out_every: int = 20) -> list[Path]:
+    """The training shards' paths (``held_out=False``) or the held-out ones': every
+    ``held_out_every``-th shard is held out; with fewer shards than that, the last one."""
+    folder = Path(folder)
+    shards = sorted(folder.glob("shard-*.pt"))
+    last = min(held_out_every, len(shards)) - 1
+    chosen = [s for i, s in enumerate(shards) if (i % held_out_every == last) == held_out]
+    if not chosen:
+        raise SystemExit(f"cascade distill: {folder}: no {'held-out' if held_out else 'training'} shards "
+                         f"among {len(shards)} (every {held_out_every}th is held out; record at least two)")
+    return chosen
 
 
 def choose_draft_vocab(records: Records, size: int, authority_vocab: int, always=()) -> tuple[list[int], float]:

@@ -102,9 +102,11 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor_ratio: float,
 
 
 def train_students(students: dict, teacher, sampler, steps: int, opt: Optimisation, session: Session,
-                   device=None) -> dict:
+                   device=None, step_fn=None) -> dict:
     """Train every model in ``students`` (name -> causal LM) for ``steps`` steps on
     ``sampler.batch(step)``; the teacher's forward (if any) is computed once per batch and shared.
+    ``step_fn(students, optims, batch, lr, opt, running, device)``, if given, makes each step
+    instead (a loss of its own: :mod:`cascade.train.head`) and returns the progress postfix.
 
     Returns ``{"steps": steps done, "history": {name: [(step, running CE)]}, "interrupted":
     stopped by ``stop_after`` or SIGTERM, "train_seconds": summed over resumed sessions}``.
@@ -131,7 +133,10 @@ def train_students(students: dict, teacher, sampler, steps: int, opt: Optimisati
                 return _summary(step, ckpt.history, clock, interrupted=True)
             lr = lr_at(step, steps, opt.lr, opt.warmup, opt.min_lr_ratio, clock.progress(step, steps, opt.warmup))
             batch = sampler.batch(step).to(device)
-            if opt.unlikelihood_step(step):
+            if step_fn is not None:
+                post = step_fn(students, ckpt.optims, batch, lr, opt, running, device)
+                tokens += batch.input_tokens()
+            elif opt.unlikelihood_step(step):
                 post = _unlikelihood_step(students, ckpt.optims, batch, lr, opt, running, device)
             else:
                 post = _train_step(students, ckpt.optims, teacher, batch, lr, opt, running, device)
