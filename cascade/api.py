@@ -108,7 +108,7 @@ class Cascade:
             backend_cls = resolve_backend(name)
         except LookupError as exc:
             raise RequestError(f"backend: {exc}") from None
-        check_heads(topo.spec, topo.source, backend=name)  # feature heads run in process only
+        check_heads(topo.spec, topo.source, backend=name)  # where feature heads can run, on this backend
         pol = _policy_arg(policy, policy_params, topo.source, topology=topo)
         tokenizer = load_tokenizer(topo)
         started = backend_cls.start(topo, address=address, device=device)

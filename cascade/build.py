@@ -68,9 +68,10 @@ def level_model_path(topo: Topology, level: LevelSpec) -> str | None:
 
 
 def build_head(level: LevelSpec, model_path: str, index: int, source: str, reads: Worker) -> Worker:
-    """A feature head (``kind: head``, :mod:`workers.head`) over ``reads``, the in-process
-    worker of its ``features_of`` level: the head shares that worker's embedding and LM head,
-    runs on its device in its dtype, and the worker keeps its hidden states from now on."""
+    """A feature head (``kind: head``, :mod:`workers.head`) over ``reads``, the worker of its
+    ``features_of`` level in the same process (the driver, or under Ray that level's actor):
+    the head shares that worker's embedding and LM head, runs on its device in its dtype, and
+    the worker keeps its hidden states from now on."""
     from workers.head import HeadWorker
     from workers.hf import HFWorker
 
@@ -117,8 +118,8 @@ def build_worker(
         return NGramWorker(vocab_size, **level.params)
     if level.kind == "head":
         raise TopologyError(f"{source}: levels[{index}] ({level.name}): a feature head is built beside the "
-                            "worker of its features_of level (build_workers, in process); the Ray backend "
-                            "does not support kind: head yet")
+                            "worker of its features_of level (build_head: in process by build_workers, "
+                            "in that level's actor under Ray)")
     return _custom_worker(source, index, level.kind, level.params)
 
 

@@ -370,7 +370,9 @@ def build_graph(spec: TopologySpec, source: str = "<spec>") -> tuple[nx.DiGraph,
 
 def check_heads(spec: TopologySpec, source: str = "<spec>", backend: str | None = None) -> None:
     """Each feature head (``kind: head``) reads an hf level of the topology, and runs where its
-    features can be handed to it: in process (``backend``: the one the topology will run on)."""
+    features can be handed to it without crossing a wire: beside its source, in process, or
+    under ``backend: ray`` (``backend``: the one the topology will run on) in its source's
+    actor, or in the driver with it (``ray.in_driver``), reserving nothing of its own."""
     backend = backend or spec.backend
     names = {lv.name: lv for lv in spec.levels}
     for i, level in enumerate(spec.levels):
@@ -382,9 +384,19 @@ def check_heads(spec: TopologySpec, source: str = "<spec>", backend: str | None 
         if target.kind != "hf":
             raise TopologyError(f"{source}: levels[{i}].features_of: {level.features_of!r} is a {target.kind!r} "
                                 "level; a head reads the hidden states of an 'hf' level")
-        if backend == "ray":
-            raise TopologyError(f"{source}: levels[{i}] ({level.name}): a feature head runs in process only "
-                                "(backend: local): the Ray backend does not hand it its source's features yet")
+        if backend != "ray":
+            continue
+        in_driver = spec.ray.in_driver
+        if level.name in in_driver and level.features_of not in in_driver:
+            raise TopologyError(
+                f"{source}: ray.in_driver[{in_driver.index(level.name)}]: the feature head {level.name!r} runs "
+                f"where its features_of level {level.features_of!r} runs, which is an actor: its features "
+                f"never cross the wire (name {level.features_of!r} in ray.in_driver too, or neither)")
+        if "resources" in level.model_fields_set:
+            raise TopologyError(
+                f"{source}: levels[{i}].resources: the feature head {level.name!r} runs in the actor of its "
+                f"features_of level {level.features_of!r} and reserves nothing of its own; give that level "
+                "the resources")
 
 
 def check_model_files(topo: Topology) -> None:

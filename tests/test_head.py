@@ -414,16 +414,34 @@ def test_bad_head_topologies(models, tmp_path, head, edges, fragments):
     expect_error(tmp_path, data, *fragments)
 
 
-def test_a_head_cannot_be_the_authority_nor_run_under_ray(models, tmp_path):
+def test_a_head_cannot_be_the_authority_and_runs_beside_its_source_under_ray(models, tmp_path):
+    """Under ``backend: ray`` a head lives where its source runs: in its actor (no actor or
+    bundle of its own), or in the driver with it; a head named in ``ray.in_driver`` without its
+    source, or given resources, is a named error (checked at load, and by from_topology for
+    backend="ray" before anything starts). Running under Ray: tests/test_ray.py."""
+    from cascade.backends.ray import actor_levels, in_driver_levels, level_bundles
+
     expect_error(tmp_path, {"levels": [{"name": "auth", "model": str(models / "auth")},
                                        {"name": "head", "kind": "head", "model": str(models / "noisy"),
                                         "features_of": "auth"}]},
                  "levels[1] (head)", "can only propose")
-    expect_error(tmp_path, {"levels": levels_with(models, {"features_of": "auth"}), "backend": "ray",
-                            "edges": [["ngram", "auth"], ["head", "auth"]]},
-                 "levels[1] (head)", "Ray backend")
-    with pytest.raises(TopologyError, match="Ray backend"):
-        Cascade.from_topology(head_topology(models, tmp_path), backend="ray")
+    edges = [["ngram", "auth"], ["head", "auth"]]
+    ray = {"levels": levels_with(models, {"features_of": "auth"}), "backend": "ray", "edges": edges}
+    topo = load_topology(write_topology(tmp_path / "ray.yaml", ray))
+    assert [lv.name for _, lv in actor_levels(topo)] == ["auth"] and len(level_bundles(topo)) == 1
+    assert in_driver_levels(topo) == {"ngram"}
+    topo = load_topology(write_topology(tmp_path / "driver.yaml", {**ray, "ray": {"in_driver": ["auth"]}}))
+    assert in_driver_levels(topo) == {"ngram", "auth", "head"} and actor_levels(topo) == []
+    expect_error(tmp_path, {**ray, "ray": {"in_driver": ["head"]}},
+                 "ray.in_driver[0]: the feature head 'head' runs where its features_of level 'auth' runs",
+                 "never cross the wire")
+    expect_error(tmp_path, {**ray, "levels": levels_with(models, {"features_of": "auth",
+                                                                  "resources": {"num_cpus": 1}})},
+                 "levels[1].resources: the feature head 'head' runs in the actor of its features_of level 'auth'")
+    # the same topology loads in process: in_driver and resources mean nothing there
+    load_topology(write_topology(tmp_path / "local.yaml", {**ray, "backend": "local", "ray": {"in_driver": ["head"]}}))
+    with pytest.raises(TopologyError, match=r"ray.in_driver\[0\]: the feature head 'head'"):
+        Cascade.from_topology(tmp_path / "local.yaml", backend="ray")
 
 
 def test_a_head_for_another_model_or_folder_is_refused(models, tmp_path):

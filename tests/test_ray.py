@@ -374,3 +374,162 @@ def test_an_unplaceable_group_is_a_named_error_and_leaves_nothing(ray_cluster, f
     new = {pg: placement_group_table()[pg]["state"] for pg in set(placement_group_table()) - groups}
     assert len(new) == 1 and set(new.values()) == {"REMOVED"}, new
     assert cascade_actors() <= actors
+
+
+# -- feature heads: in the actor of the level they read ------------------------------------------
+
+HEAD_LOOKAHEAD = {"ngram": 3, "head": 3, "thead": 3, "tiny": 5}
+
+
+@pytest.fixture(scope="module")
+def head_topo(tmp_path_factory, tokenizer):
+    """As tests/test_head.py's: a 1-layer float64 authority ``auth`` read by ``head`` (a perturbed
+    copy of its own layer: partly accepted drafts), an independent drafter ``tiny`` read by
+    ``thead`` (random). ``auth`` runs in an actor, ``head`` in it; ``tiny`` runs in the driver
+    (``ray.in_driver``), ``thead`` beside it, and the n-gram level too. Heads take no resources."""
+    import torch
+
+    from conftest import make_llama
+    from head_util import copy_head
+    from workers.head import random_head
+
+    root = tmp_path_factory.mktemp("ray-heads")
+    vocab = len(tokenizer)
+    auth = make_llama(root / "auth", vocab, seed=1, hidden=32, layers=1, logit_scale=30.0, dtype=torch.float64,
+                      tokenizer=tokenizer)
+    tiny = make_llama(root / "tiny", vocab, seed=4, hidden=16, layers=1, logit_scale=30.0, dtype=torch.float64,
+                      tokenizer=tokenizer)
+    copy_head(auth, noise=0.3, seed=5).save_pretrained(root / "noisy")
+    random_head(tiny, seed=6).save_pretrained(root / "tiny-head")
+    levels = [{"name": "ngram", "kind": "ngram"},
+              {"name": "head", "kind": "head", "model": str(root / "noisy"), "features_of": "auth"},
+              {"name": "thead", "kind": "head", "model": str(root / "tiny-head"), "features_of": "tiny"},
+              {"name": "tiny", "model": str(tiny), "dtype": "float64", "device": "cpu",
+               "resources": {"num_cpus": 0.1}},
+              {"name": "auth", "model": str(auth), "dtype": "float64", "device": "cpu",
+               "resources": {"num_cpus": 0.1}}]
+    edges = [["ngram", "auth"], ["head", "auth"], ["head", "tiny"], ["thead", "tiny"], ["ngram", "tiny"],
+             ["tiny", "auth"]]
+    policy = {"name": "fixed", "params": {"lookahead": HEAD_LOOKAHEAD, "path": ["head", "auth"]}}
+    return write_topology(root / "heads.yaml", {"name": "heads", "levels": levels, "edges": edges, "policy": policy,
+                                                "backend": "ray", "ray": {"max_restarts": 2, "call_timeout_s": 120,
+                                                                        "in_driver": ["tiny"]}})
+
+
+@pytest.fixture(scope="module")
+def head_cascades(ray_cluster, head_topo):
+    with Cascade.from_topology(head_topo, backend="local") as local, Cascade.from_topology(head_topo) as remote:
+        yield local, remote
+
+
+def _held_by_actor(c, actor: str):
+    """What the actor of ``actor`` holds now: each of its workers' cached sequences and its
+    kept features (after the calls sent before: an actor runs them in order)."""
+    return ray.get(c.backend.actors[actor].__ray_call__.remote(
+        lambda self: ({name: w.cached_sequences() for name, w in self.workers.items()},
+                      dict(self.worker._features.seqs))))
+
+
+def test_feature_heads_under_ray_give_the_local_tokens(head_cascades, head_topo, tokenizer):
+    """A head lives in its source's actor (no actor or bundle of its own), or in the driver
+    beside a source there: greedy output equals plain decoding and the in-process backend's on
+    head -> auth, head -> tiny -> auth (the remote head drafting for a level in the driver) and
+    thead -> tiny -> auth (a head reading the middle level, in the driver), batched; sampled
+    output equals the in-process backend's."""
+    from cascade.backends.ray import RayHeadWorker, level_bundles
+    from cascade.topology import load_topology
+    from hf_util import prompts_from_text, reference_greedy
+    from policies.fixed import FixedPolicy
+    from workers.head import HeadWorker
+
+    local, remote = head_cascades
+    assert set(remote.backend.actors) == {"auth"} and len(level_bundles(load_topology(head_topo))) == 1
+    assert isinstance(remote.workers["head"], RayHeadWorker) and isinstance(remote.workers["thead"], HeadWorker)
+    info = remote.backend.info()
+    assert info["head"]["pid"] == info["auth"]["pid"] and info["head"]["actor_of"] == "auth"
+    assert info["head"]["can_score"] is False and set(info) == {"auth", "head"}
+    prompts = prompts_from_text(tokenizer, 2)
+    auth_dir = Path(head_topo).parent / "auth"
+    want = [reference_greedy(auth_dir, p, 24) for p in prompts]
+    for path in (["head", "auth"], ["head", "tiny", "auth"], ["thead", "tiny", "auth"]):
+        policy = FixedPolicy(lookahead=HEAD_LOOKAHEAD, path=path)
+        got = remote.generate(prompts, max_new_tokens=24, temperature=0.0, policy=policy, batch_size=2)
+        assert [g.token_ids for g in got] == want, path
+        assert [g.token_ids for g in local.generate(prompts, max_new_tokens=24, temperature=0.0, policy=policy,
+                                                    batch_size=2)] == want, path
+        assert got[0].stats.edges[f"{path[0]}->{path[1]}"].proposed > 0
+    policy = FixedPolicy(lookahead=HEAD_LOOKAHEAD, path=["head", "tiny", "auth"])
+    kwargs = dict(max_new_tokens=24, temperature=0.9, seed=4, policy=policy)
+    assert [g.token_ids for g in remote.generate(prompts, **kwargs)] == \
+        [g.token_ids for g in local.generate(prompts, **kwargs)]
+    # released: no head entries, no kept features, no cache left in the actor, nor in the driver
+    cached, features = _held_by_actor(remote, "auth")
+    assert cached == {"auth": 0, "head": 0} and features == {}
+    assert remote.workers["thead"].cached_sequences() == 0 and remote.workers["tiny"]._features.seqs == {}
+
+
+def test_a_head_step_is_one_hand_off_call_and_one_draft_call(head_cascades, head_topo, tokenizer):
+    """Per head step the head's proxy makes two remote calls: the hand-off (its new tokens out,
+    the indices of the sequences the source was asked for back: no feature on the wire) and the
+    draft, which sends no token (the hand-off just did); the authority one."""
+    from hf_util import prompts_from_text, reference_greedy
+
+    local, remote = head_cascades
+    head, auth = remote.workers["head"], remote.workers["auth"]
+    calls = []
+    real_call = type(head)._call
+
+    def recording(self, method, seq_ids, keeps, suffixes, *args):
+        out = real_call(self, method, seq_ids, keeps, suffixes, *args)
+        calls.append((method, [len(x) for x in suffixes], out if method == "hand_features" else None))
+        return out
+
+    prompt = prompts_from_text(tokenizer, 3)[2]
+    remote.backend.reset_wire_stats()
+    head._call = recording.__get__(head)
+    try:
+        g = remote.generate(prompt, max_new_tokens=32, temperature=0.0)  # the topology's path: head -> auth
+    finally:
+        del head._call
+    assert g.token_ids == reference_greedy(Path(head_topo).parent / "auth", prompt, 32)
+    edge = g.stats.edges["head->auth"]
+    assert 0 < edge.accepted < edge.proposed  # partly rejected blocks: the hand-off had work to do
+    blocks = edge.blocks
+    assert [m for m, _, _ in calls] == ["hand_features", "draft"] * blocks
+    assert head.wire.calls == 2 * blocks and auth.wire.calls == g.stats.steps and head.wire.resyncs == 0
+    hand_offs = [(n, out) for m, n, out in calls if m == "hand_features"]
+    assert hand_offs[0] == ([len(prompt)], [0])  # the prompt once; its features computed in the actor
+    # then only the tokens committed since (at most a block and the bonus token), and the draft none
+    assert all(n[0] <= HEAD_LOOKAHEAD["head"] + 1 for n, _ in hand_offs[1:])
+    assert all(n == [0] for m, n, _ in calls if m == "draft")
+    assert all(out in ([], [0]) for _, out in hand_offs)
+    # what came back to the head: its draft rows (greedy: one pair each) and a few ints, no features
+    assert head.wire.received < 64 * (edge.proposed + 2 * blocks)
+
+
+def test_a_killed_actor_rebuilds_its_head(head_cascades, head_topo, tokenizer):
+    """The authority's actor (which hosts the head) killed mid-generation: Ray restarts it, the
+    head and the authority each resend their sequences once, the source recomputes the features
+    the fresh head lacks, and the output does not change."""
+    from hf_util import prompts_from_text, reference_greedy
+
+    local, remote = head_cascades
+    prompt = prompts_from_text(tokenizer, 1)[0]
+    before = remote.backend.info()["auth"]["pid"]
+    remote.backend.reset_wire_stats()
+    state = remote.engine.start(Request(prompt, 32, Sampling(temperature=0.0)))
+    held = []
+    for step, _ in enumerate(remote.engine.run(state)):
+        if step == 1:
+            ray.kill(remote.backend.actors["auth"], no_restart=False)
+        if step == 2:  # the fresh head's entries: real features of the prompt and on, from the source
+            held = ray.get(remote.backend.actors["auth"].__ray_call__.remote(
+                lambda self, seq: self.workers["head"].entries(seq), state.seq_id))
+            sequence = prompt + state.generated
+    tokens, real = held
+    assert real > len(prompt) and tokens[:real] == sequence[:real]
+    assert state.generated == reference_greedy(Path(head_topo).parent / "auth", prompt, 32)
+    assert state.stats.notes == [] and state.stats.edges["head->auth"].proposed > 0
+    assert remote.backend.info()["head"]["pid"] != before
+    assert remote.workers["head"].wire.resyncs >= 1 and remote.workers["auth"].wire.resyncs >= 1
+

@@ -30,7 +30,9 @@ samples (:meth:`workers.base.Worker.draft`: the same sampling, uniforms and stop
 **The hand-off** (:func:`hand_features`, called by the engine before a head drafts): the head
 says from which position it lacks features (:meth:`HeadWorker.features_needed`), its source
 returns them (:meth:`workers.hf.HFWorker.features`: what its passes kept, no extra pass, except a
-prefill of positions it has never computed) and the head takes them.
+prefill of positions it has never computed) and the head takes them (:meth:`HeadWorker.hand_off`).
+Under Ray the head lives in its source's actor and its proxy does the hand-off there in one call
+(:class:`cascade.backends.ray.RayHeadWorker`): features never cross the wire.
 """
 from __future__ import annotations
 
@@ -302,6 +304,20 @@ class HeadWorker(Worker):
             starts.append(max(keep - 1, 0))
         return starts
 
+    def hand_off(self, source, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
+                 ends: Sequence[int]) -> list[int]:
+        """:func:`hand_features` in process: the features of positions :meth:`features_needed`
+        .. ``ends[b] - 1`` from ``source`` (an :class:`~workers.hf.HFWorker` keeping them), taken
+        with :meth:`take_features`; the indices of the sequences it asked the source for."""
+        starts = self.features_needed(seq_ids, token_ids)
+        asked = [b for b in range(len(seq_ids)) if starts[b] < ends[b]]
+        if asked:
+            feats = source.features([seq_ids[b] for b in asked], [list(token_ids[b])[:ends[b] + 1] for b in asked],
+                                    [starts[b] for b in asked])
+            self.take_features([seq_ids[b] for b in asked], [token_ids[b] for b in asked],
+                               [starts[b] for b in asked], feats)
+        return asked
+
     @torch.inference_mode()
     def take_features(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], starts: Sequence[int],
                       features: Sequence[torch.Tensor]) -> None:
@@ -455,19 +471,16 @@ class HeadWorker(Worker):
         self._seqs.clear()
 
 
-def hand_features(head: HeadWorker, source, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
+def hand_features(head: Worker, source: Worker, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
                   ends: Sequence[int] | None = None) -> list[int]:
     """Hand ``head`` the features it lacks of each sequence ``token_ids[b]``, from ``source``
     (the worker of its ``features_of`` level): those of positions up to ``ends[b] - 1`` (default:
     all but the last position, ``len - 2``, which is all a head ever needs). Returns the
-    sequences (indices) the source was asked for features."""
+    sequences (indices) the source was asked for features.
+
+    The head does it (:meth:`HeadWorker.hand_off`): in process it asks ``source`` and takes what
+    it returns; a head that runs in its source's Ray actor (:class:`cascade.backends.ray.RayHeadWorker`)
+    does the same inside that actor, in one remote call, so no feature crosses the wire."""
     if ends is None:
         ends = [len(t) - 1 for t in token_ids]
-    starts = head.features_needed(seq_ids, token_ids)
-    asked = [b for b in range(len(seq_ids)) if starts[b] < ends[b]]
-    if asked:
-        feats = source.features([seq_ids[b] for b in asked], [list(token_ids[b])[:ends[b] + 1] for b in asked],
-                                [starts[b] for b in asked])
-        head.take_features([seq_ids[b] for b in asked], [token_ids[b] for b in asked],
-                           [starts[b] for b in asked], feats)
-    return asked
+    return head.hand_off(source, seq_ids, token_ids, [int(e) for e in ends])

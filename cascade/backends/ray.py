@@ -18,6 +18,14 @@ tree is drafted (``draft_tree``) and scored (``score_tree``, ``score_tree_probs`
 each, by the actor's worker as in-process, not path by path over the wire.
 A level with a stop rule gets logits instead (the rule reads the model's own distribution).
 
+Feature heads (``kind: head``, :mod:`workers.head`) live in the actor of the level they read
+(their ``features_of``), built there beside its worker over its embedding and LM head as
+in-process, with no actor or bundle of their own; a head whose source runs in the driver runs
+there with it. The driver's :class:`RayHeadWorker` names the head in every call to that actor
+(each call says which of the actor's workers it is for) and does the engine's hand-off
+(:func:`workers.head.hand_features`) in one call, inside the actor: features never cross the
+wire.
+
 Faults. Actors restart up to ``ray.max_restarts`` times and Ray re-runs the interrupted call on
 the new actor, which rebuilds its cache from the full sequence (the worker reconciles its cache
 on every call), so the request completes with the same tokens. A level that stays down raises
@@ -63,6 +71,7 @@ class LevelBuild:
     source: str
     device: str | None = None
     vocab_size: int | None = None  # the authority's, for n-gram levels
+    heads: list["LevelBuild"] = field(default_factory=list)  # feature heads reading this level, built beside it
 
 
 def _actor_device(build: LevelBuild) -> tuple[str, str]:
@@ -82,10 +91,12 @@ def _actor_device(build: LevelBuild) -> tuple[str, str]:
 
 
 class LevelActor:
-    """One level's worker inside a Ray actor. Plain class: ``ray.remote`` is applied at creation."""
+    """One level's worker inside a Ray actor, with the feature heads that read it. Plain class:
+    ``ray.remote`` is applied at creation. Every call may name the level it is for (``level``:
+    the actor's own by default, or one of its heads); each keeps its own last sequences."""
 
     def __init__(self, build: LevelBuild, num_threads: int = 1):
-        from cascade.build import build_worker
+        from cascade.build import build_head, build_worker
 
         torch.set_num_threads(max(1, num_threads))
         self.build = build
@@ -94,43 +105,55 @@ class LevelActor:
         if device == "cpu" and self.device_note.startswith("GPU ids"):
             log.warning("level %s: %s", build.level.name, self.device_note)
         self.failed: TopologyError | None = None
+        self.workers: dict[str, Worker] = {}  # the level's worker, then its heads'
         try:
             self.worker = build_worker(build.level, build.model_path, build.index, build.source, build.device,
                                        build.vocab_size)
+            self.workers[build.level.name] = self.worker
+            for head in build.heads:  # over this worker's own modules, as build_workers does in process
+                self.workers[head.level.name] = build_head(head.level, head.model_path, head.index, head.source,
+                                                           self.worker)
         except TopologyError as exc:
             # Raised from info() instead: an error in an actor's constructor reaches the driver
             # as ActorDiedError, whose message is all that is left of it.
             self.worker, self.failed = None, exc
-        self.tokens: dict[str, list[int]] = {}  # the last sequence sent for each seq_id
+        # per level, the last sequence sent for each seq_id
+        self.tokens: dict[str, dict[str, list[int]]] = {name: {} for name in self.workers}
         self._samplings: dict[tuple, Sampling] = {}  # the samplings seen, by their dumped fields
 
-    def info(self) -> dict[str, Any]:
+    def info(self, level: str | None = None) -> dict[str, Any]:
         import ray
 
         if self.failed is not None:
             raise self.failed
+        worker = self._worker(level)
         return {
-            "level": self.build.level.name,
+            "level": level or self.build.level.name,
+            "actor_of": self.build.level.name,  # the level whose actor this is
             "pid": os.getpid(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "cuda_available": torch.cuda.is_available(),
-            "device": str(getattr(self.worker, "device", "cpu")),
+            "device": str(getattr(worker, "device", "cpu")),
             "device_note": self.device_note,
-            "vocab_size": self.worker.vocab_size,
-            "context_length": getattr(self.worker, "context_length", None),
-            "can_score": self.worker.can_score,
+            "vocab_size": worker.vocab_size,
+            "context_length": getattr(worker, "context_length", None),
+            "can_score": worker.can_score,
         }
 
-    def _sequences(self, seq_ids, keeps, suffixes) -> list[list[int]] | None:
+    def _worker(self, level: str | None) -> Worker:
+        return self.workers[level or self.build.level.name]
+
+    def _sequences(self, seq_ids, keeps, suffixes, level: str | None = None) -> list[list[int]] | None:
         """Rebuild the full sequences from (kept prefix length, new tokens); None: resend all."""
+        held = self.tokens[level or self.build.level.name]
         out = []
         for seq, keep, suffix in zip(seq_ids, keeps, suffixes):
-            known = self.tokens.get(seq, [])
+            known = held.get(seq, [])
             if keep > len(known):
                 return None  # this actor restarted (or never saw the sequence)
             tokens = known[:keep] + suffix
-            self.tokens[seq] = tokens
+            held[seq] = tokens
             out.append(tokens)
         return out
 
@@ -142,63 +165,80 @@ class LevelActor:
             found = self._samplings[key] = Sampling.model_validate(fields)
         return found
 
-    def score(self, seq_ids, keeps, suffixes, num_positions):
-        seqs = self._sequences(seq_ids, keeps, suffixes)
+    def score(self, seq_ids, keeps, suffixes, num_positions, level: str | None = None):
+        seqs = self._sequences(seq_ids, keeps, suffixes, level)
         if seqs is None:
             return None
-        return [pack_rows(r) for r in self.worker.score(seq_ids, seqs, num_positions)]
+        return [pack_rows(r) for r in self._worker(level).score(seq_ids, seqs, num_positions)]
 
-    def score_probs(self, seq_ids, keeps, suffixes, num_positions, sampling: dict[str, Any]):
-        seqs = self._sequences(seq_ids, keeps, suffixes)
+    def score_probs(self, seq_ids, keeps, suffixes, num_positions, sampling: dict[str, Any],
+                    level: str | None = None):
+        seqs = self._sequences(seq_ids, keeps, suffixes, level)
         if seqs is None:
             return None
-        rows = self.worker.score_probs(seq_ids, seqs, num_positions, self._sampling(sampling))
+        rows = self._worker(level).score_probs(seq_ids, seqs, num_positions, self._sampling(sampling))
         return [pack_rows(r) for r in rows]
 
     def draft(self, seq_ids, keeps, suffixes, max_tokens, sampling: dict[str, Any], uniforms,
-              stop: StopRule | None):
-        seqs = self._sequences(seq_ids, keeps, suffixes)
+              stop: StopRule | None, level: str | None = None):
+        seqs = self._sequences(seq_ids, keeps, suffixes, level)
         if seqs is None:
             return None
         uniforms = [from_bytes(u, torch.float64) for u in uniforms]
-        drafts = self.worker.draft(seq_ids, seqs, max_tokens, self._sampling(sampling), uniforms, stop)
+        drafts = self._worker(level).draft(seq_ids, seqs, max_tokens, self._sampling(sampling), uniforms, stop)
         # (tokens, packed rows, forward passes, any further fields of Draft by name)
         return [(d.tokens, pack_rows(d.probs), d.forward_passes,
                  {f.name: getattr(d, f.name) for f in dataclasses.fields(d)[3:]}) for d in drafts]
 
-    def score_tree(self, seq_ids, keeps, suffixes, trees):
-        seqs = self._sequences(seq_ids, keeps, suffixes)
+    def score_tree(self, seq_ids, keeps, suffixes, trees, level: str | None = None):
+        seqs = self._sequences(seq_ids, keeps, suffixes, level)
         if seqs is None:
             return None
-        return [pack_rows(r) for r in self.worker.score_tree(seq_ids, seqs, trees)]
+        return [pack_rows(r) for r in self._worker(level).score_tree(seq_ids, seqs, trees)]
 
-    def score_tree_probs(self, seq_ids, keeps, suffixes, trees, sampling: dict[str, Any]):
-        seqs = self._sequences(seq_ids, keeps, suffixes)
+    def score_tree_probs(self, seq_ids, keeps, suffixes, trees, sampling: dict[str, Any], level: str | None = None):
+        seqs = self._sequences(seq_ids, keeps, suffixes, level)
         if seqs is None:
             return None
-        rows = self.worker.score_tree_probs(seq_ids, seqs, trees, self._sampling(sampling))
+        rows = self._worker(level).score_tree_probs(seq_ids, seqs, trees, self._sampling(sampling))
         return [pack_rows(r) for r in rows]
 
-    def draft_tree(self, seq_ids, keeps, suffixes, widths):
-        seqs = self._sequences(seq_ids, keeps, suffixes)
+    def draft_tree(self, seq_ids, keeps, suffixes, widths, level: str | None = None):
+        seqs = self._sequences(seq_ids, keeps, suffixes, level)
         if seqs is None:
             return None
         # (tokens, parents) per sequence: lists of ints, as Worker.draft_tree returns them
-        return [(list(tokens), list(parents)) for tokens, parents in self.worker.draft_tree(seq_ids, seqs, widths)]
+        grown = self._worker(level).draft_tree(seq_ids, seqs, widths)
+        return [(list(tokens), list(parents)) for tokens, parents in grown]
 
-    def release(self, seq_ids):
+    def hand_features(self, seq_ids, keeps, suffixes, ends, level: str | None = None):
+        """The engine's hand-off to the head ``level`` (:func:`workers.head.hand_features`), from
+        this actor's own worker, here: the indices of the sequences whose features it asked for
+        (after a restart the source recomputes what it no longer holds)."""
+        seqs = self._sequences(seq_ids, keeps, suffixes, level)
+        if seqs is None:
+            return None
+        head = self._worker(level)
+        if getattr(head, "features_of", None) != self.build.level.name:
+            raise ValueError(f"hand_features: {level!r} is not a head reading {self.build.level.name!r}")
+        return [int(b) for b in head.hand_off(self.worker, seq_ids, seqs, ends)]
+
+    def release(self, seq_ids, level: str | None = None):
+        held = self.tokens[level or self.build.level.name]
         for s in seq_ids:
-            self.tokens.pop(s, None)
-        self.worker.release(seq_ids)
+            held.pop(s, None)
+        self._worker(level).release(seq_ids)
 
     def close(self):
-        self.worker.close()
+        for worker in self.workers.values():
+            worker.close()
 
 
 # -- the proxy -----------------------------------------------------------------------------------
 
 class RayWorker(Worker):
-    """A :class:`Worker` whose calls run in a :class:`LevelActor`. Waits out restarts up to
+    """A :class:`Worker` whose calls run in a :class:`LevelActor` (each naming the level ``name``:
+    the actor's own, or for :class:`RayHeadWorker` a head in it). Waits out restarts up to
     ``call_timeout_s`` per call; a level that stays down raises :class:`WorkerError` naming it."""
 
     def __init__(self, name: str, actor, info: dict[str, Any], call_timeout_s: float = 300.0):
@@ -261,7 +301,7 @@ class RayWorker(Worker):
         for s in seq_ids:
             self._sent.pop(s, None)
         try:  # fire and forget: a dead actor has nothing left to release
-            self.actor.release.options(max_task_retries=0).remote(list(seq_ids))
+            self.actor.release.options(max_task_retries=0).remote(list(seq_ids), level=self.name)
         except Exception:  # noqa: BLE001
             pass
 
@@ -319,7 +359,7 @@ class RayWorker(Worker):
         from ray.exceptions import GetTimeoutError, RayActorError
 
         self.wire.calls += 1
-        ref = getattr(self.actor, method).remote(*args)
+        ref = getattr(self.actor, method).remote(*args, level=self.name)
         try:
             return ray.get(ref, timeout=self.call_timeout_s)
         except GetTimeoutError:
@@ -332,6 +372,43 @@ class RayWorker(Worker):
             # is what remains when it gave up.
             raise WorkerError(f"level {self.name!r}: actor died and was not restarted: "
                               f"{type(exc).__name__}", level=self.name) from None
+
+
+class RayHeadWorker(RayWorker):
+    """A feature head (``kind: head``) living in the actor of the level it reads (``features_of``):
+    its calls go to that actor naming the head, with its own delta-sent sequences and wire
+    stats. :meth:`hand_off` is the engine's hand-off in one remote call: the actor hands its own
+    worker's features to the head, so they never cross the wire. The actor is its source's:
+    :meth:`close` leaves it to that level."""
+
+    can_score = False
+
+    def __init__(self, name: str, actor, info: dict[str, Any], features_of: str, call_timeout_s: float = 300.0):
+        super().__init__(name, actor, info, call_timeout_s)
+        self.features_of = features_of
+
+    def score(self, seq_ids, token_ids, num_positions):
+        raise TypeError("a feature head cannot verify; it can only propose")
+
+    def score_probs(self, seq_ids, token_ids, num_positions, sampling: Sampling):
+        raise TypeError("a feature head cannot verify; it can only propose")
+
+    def hand_off(self, source: Worker, seq_ids, token_ids, ends) -> list[int]:
+        """:meth:`workers.head.HeadWorker.hand_off` inside the actor: sends the sequences' new
+        tokens and where their features end; ``source`` must be the proxy of the same actor.
+        The indices of the sequences the source was asked for features."""
+        if getattr(source, "actor", None) is not self.actor:
+            other = getattr(source, "name", source)
+            raise ValueError(f"level {self.name!r}: a feature head under Ray takes the features of the level "
+                             f"whose actor it lives in ({self.features_of!r}), not of {other!r}")
+        ends = [int(e) for e in ends]
+        self.wire.sent += 4 * len(ends)
+        asked = self._call_seqs("hand_features", seq_ids, token_ids, ends)
+        self.wire.received += 4 * len(asked) + 8
+        return list(asked)
+
+    def close(self) -> None:
+        self._sent.clear()  # the actor is its source level's, closed with it
 
 
 # -- placement and lifecycle ---------------------------------------------------------------------
@@ -372,16 +449,24 @@ def plan_bundles(levels: Sequence[LevelSpec]) -> tuple[list[dict[str, float]], l
 
 def in_driver_levels(topo: Topology) -> set[str]:
     """Names of the levels that run in the driver process, not in an actor (``ray.ngram_in_driver``,
-    ``ray.in_driver``)."""
+    ``ray.in_driver``, and the feature heads of levels that run there)."""
     spec = topo.spec.ray
     names = {lv.name for lv in topo.spec.levels if lv.kind == "ngram" and spec.ngram_in_driver}
-    return names | set(spec.in_driver)
+    names |= {n for n in spec.in_driver if topo.spec.level(n).kind != "head"}
+    # a head runs where its source runs (cascade.topology.check_heads refuses it elsewhere)
+    return names | {lv.name for lv in topo.spec.levels if lv.kind == "head" and lv.features_of in names}
+
+
+def actor_levels(topo: Topology) -> list[tuple[int, LevelSpec]]:
+    """The levels that get an actor each, with their index in the topology: all but those in
+    the driver and the feature heads (which live in their source's actor)."""
+    in_driver = in_driver_levels(topo)
+    return [(i, lv) for i, lv in enumerate(topo.spec.levels) if lv.name not in in_driver and lv.kind != "head"]
 
 
 def level_bundles(topo: Topology) -> list[dict[str, float]]:
     """The bundles of the placement group one cascade of ``topo`` asks for (its actors' levels)."""
-    in_driver = in_driver_levels(topo)
-    return plan_bundles([lv for lv in topo.spec.levels if lv.name not in in_driver])[0]
+    return plan_bundles([lv for _, lv in actor_levels(topo)])[0]
 
 
 def private_cpus(topo: Topology, replicas: int = 1, replica_cpus: float = 0.0) -> int:
@@ -425,7 +510,8 @@ class RayBackend(Backend):
     workers: dict[str, Worker]  # RayWorker for every level, n-gram levels aside (ray.ngram_in_driver)
     placement_group: Any
     owns_runtime: bool
-    actors: dict[str, Any] = field(default_factory=dict)
+    actors: dict[str, Any] = field(default_factory=dict)  # by level name, heads aside
+    heads: dict[str, str] = field(default_factory=dict)  # head level -> the level whose actor it lives in
     private_token: bool = False  # this process set RAY_AUTH_TOKEN for its private runtime
 
     @classmethod
@@ -447,12 +533,18 @@ class RayBackend(Backend):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from cascade.build import build_worker, check_vocab_sizes, level_model_path
+        from cascade.build import build_head, build_worker, check_vocab_sizes, level_model_path
 
         spec = topo.spec.ray
         everything = list(enumerate(topo.spec.levels))
         in_driver = in_driver_levels(topo)
-        levels = [(i, lv) for i, lv in everything if lv.name not in in_driver]
+        levels = actor_levels(topo)
+        heads_of: dict[str, list[LevelBuild]] = {}  # source level -> the heads its actor builds
+        for i, lv in everything:
+            if lv.kind == "head" and lv.name not in in_driver:
+                heads_of.setdefault(lv.features_of, []).append(
+                    LevelBuild(lv, level_model_path(topo, lv), i, topo.source))
+                self.heads[lv.name] = lv.features_of
         if not levels:
             raise TopologyError(f"{topo.source}: ray.in_driver: every level would run in the driver; "
                                 "use backend: local")
@@ -462,7 +554,8 @@ class RayBackend(Backend):
 
         def create(i: int, level: LevelSpec, vocab: int | None):
             r = level.resources
-            build = LevelBuild(level, level_model_path(topo, level), i, topo.source, device, vocab)
+            build = LevelBuild(level, level_model_path(topo, level), i, topo.source, device, vocab,
+                               heads_of.get(level.name, []))
             return actor_cls.options(
                 name=f"cascade-{tag}-{level.name}",
                 num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=dict(r.custom) or None,
@@ -478,18 +571,29 @@ class RayBackend(Backend):
                 self.actors[level.name] = create(i, level, None)
         workers: dict[str, Worker] = {
             lv.name: build_worker(lv, level_model_path(topo, lv), i, topo.source, device)
-            for i, lv in everything if lv.name in in_driver and lv.kind != "ngram"}
+            for i, lv in everything if lv.name in in_driver and lv.kind not in ("ngram", "head")}
+        for i, lv in everything:  # heads of levels in the driver: beside them, as in process
+            if lv.name in in_driver and lv.kind == "head":
+                workers[lv.name] = build_head(lv, level_model_path(topo, lv), i, topo.source, workers[lv.features_of])
         self._collect(infos, spec.start_timeout_s)
         vocab = infos[topo.authority]["vocab_size"] if topo.authority in infos else workers[topo.authority].vocab_size
         for i, level in levels:
             if level.kind == "ngram":
                 self.actors[level.name] = create(i, level, vocab)
         self._collect(infos, spec.start_timeout_s)
+        # the heads, already built in their sources' actors
+        refs = {head: self.actors[source].info.remote(level=head) for head, source in self.heads.items()}
+        infos.update(zip(refs, ray.get(list(refs.values()), timeout=spec.start_timeout_s)))
         workers.update({lv.name: build_worker(lv, None, i, topo.source, None, vocab)
                         for i, lv in everything if lv.name in in_driver and lv.kind == "ngram"})
         check_vocab_sizes(topo, {**{name: info["vocab_size"] for name, info in infos.items()},
                                  **{name: w.vocab_size for name, w in workers.items()}})
         for name, info in infos.items():
+            if name in self.heads:
+                log.info("level %s: in the actor of %s (pid %s)", name, self.heads[name], info["pid"])
+                workers[name] = RayHeadWorker(name, self.actors[self.heads[name]], info, self.heads[name],
+                                              spec.call_timeout_s)
+                continue
             log.info("level %s: actor pid %s, %s", name, info["pid"], info["device_note"])
             workers[name] = RayWorker(name, self.actors[name], info, spec.call_timeout_s)
         self.workers = {lv.name: workers[lv.name] for _, lv in everything}  # in topology order
@@ -532,10 +636,13 @@ class RayBackend(Backend):
                 raise WorkerError(f"level {name!r}: actor failed to start: {exc}", level=name) from None
 
     def info(self) -> dict[str, dict[str, Any]]:
-        """Each level's actor as it reports itself now (pid, GPU ids, device and why)."""
+        """Each level's actor as it reports itself now (pid, GPU ids, device and why); a head's is
+        its source's actor (``actor_of``)."""
         import ray
 
-        return {name: ray.get(a.info.remote()) for name, a in self.actors.items()}
+        out = {name: ray.get(a.info.remote()) for name, a in self.actors.items()}
+        out.update({head: ray.get(self.actors[source].info.remote(level=head)) for head, source in self.heads.items()})
+        return out
 
     def reset_wire_stats(self) -> None:
         for w in self.workers.values():
@@ -561,7 +668,7 @@ class RayBackend(Backend):
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        self.actors = {}
+        self.actors, self.heads = {}, {}
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
 
