@@ -12,7 +12,7 @@ import torch
 
 from cascade.cli import main
 from conftest import TEXT, make_llama, write_topology
-from test_records import chat_tokenizer
+from hf_util import chat_tokenizer
 
 
 def distill_args(root, out, work, *extra):

@@ -11,26 +11,7 @@ import torch
 from cascade.cli import main
 from cascade.train.records import RecordBatch, record_loss
 from conftest import TEXT, make_llama, write_topology
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def chat_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([TEXT] * 4, trainer)
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>", unk_token="<|endoftext|>")
-    out.chat_template = CHATML
-    return out
-
+from hf_util import chat_tokenizer
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):

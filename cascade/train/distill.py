@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cascade.train.family import LEVELS, SIZES
+from cascade.train.session import optimisation, run_record, session, setup_torch, use_amp
 from cascade.train.trainer import (  # noqa: F401  (lr_at, EnsembleTeacher: this command's public names)
     EnsembleTeacher,
     Optimisation,
@@ -261,35 +262,6 @@ def run(args) -> int:
 # --------------------------------------------------------------------------- helpers
 
 
-def use_amp(name: str, device) -> bool:
-    """Whether to train under bfloat16 autocast (see --amp)."""
-    import torch
-
-    if name == "none":
-        return False
-    if name == "bf16":
-        return True
-    from workers.devices import native_bf16
-
-    return native_bf16(device)
-
-
-def _setup_torch(args):
-    """Threads and seed; the device, where an unavailable one asked for by name is an error (hours
-    of training on a device other than the one named is worse than stopping)."""
-    import torch
-
-    from workers.devices import resolve_device
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    try:
-        return resolve_device(args.device, fallback=False)
-    except ValueError as exc:
-        raise SystemExit(f"cascade distill: --device: {exc}") from exc
-
-
 def load_corpus_tokens(specs, tokenizer, work_dir: Path, tag: str):
     """Token ids of the corpus, cached in work_dir keyed by the file list and tokenizer."""
     import hashlib
@@ -304,32 +276,11 @@ def load_corpus_tokens(specs, tokenizer, work_dir: Path, tag: str):
     return files, data
 
 
-def _optimisation(args, device, lr: float, warmup: int, kl_weight: float | None = None,
-                  temperature: float | None = None) -> Optimisation:
-    return Optimisation(
-        lr=lr, warmup=warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, kl_weight=args.kl_weight if kl_weight is None else kl_weight,
-        temperature=args.temperature if temperature is None else temperature, amp=use_amp(args.amp, device),
-        unlikelihood_every=args.unlikelihood_every, rollout_prefix=args.rollout_prefix,
-        rollout_tokens=args.rollout_tokens)
-
-
-def _session(args, ckpt_path: Path, minutes: float | None, desc: str) -> Session:
-    return Session(
-        ckpt_path=ckpt_path, checkpoint_minutes=args.checkpoint_minutes, checkpoint_every=args.checkpoint_every,
-        time_budget_minutes=minutes, stop_after=args.stop_after, resume=_resume_mode(args),
-        progress=not args.no_progress, desc=desc, work_dir=Path(args.work_dir))
-
-
 def _training_record(model_dir: str | None) -> dict | None:
     """The training.json of the model a student was initialised from (its earlier training)."""
     if not model_dir or not (Path(model_dir) / "training.json").exists():
         return None
     return json.loads((Path(model_dir) / "training.json").read_text())
-
-
-def _resume_mode(args) -> str:
-    return "require" if args.resume else ("never" if args.restart else "auto")
 
 
 def _eval_windows(args, tokenizer, work_dir: Path, max_windows: int = 48):
@@ -363,7 +314,7 @@ def run_single(args) -> int:
     """One or more students against one teacher (or from scratch), saved to --out."""
     from cascade.train.corpus import WindowSampler
 
-    device = _setup_torch(args)
+    device = setup_torch(args)
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, teacher = _single_tokenizer_and_teacher(args, work_dir)
@@ -374,10 +325,10 @@ def run_single(args) -> int:
     sampler = WindowSampler(data, args.seq_len, args.batch_size, seed=args.seed)
     students = _single_students(args, names, sizes, tokenizer, teacher, init, work_dir)
     lr = args.lr if args.lr is not None else (1.5e-3 if teacher is None else 2e-3)
-    opt = _optimisation(args, device, lr, warmup=min(args.warmup, max(1, args.steps // 10)))
+    opt = optimisation(args, device, lr, warmup=min(args.warmup, max(1, args.steps // 10)))
     summary = train_students(
         students, teacher, sampler, args.steps, opt,
-        _session(args, work_dir / "checkpoint.pt", args.max_minutes,
+        session(args, work_dir / "checkpoint.pt", args.max_minutes,
                  "distill" if teacher is not None else "train"),
         device)
     if summary["interrupted"]:
@@ -464,14 +415,6 @@ def _single_students(args, names, sizes, tokenizer, teacher, init, work_dir: Pat
     return students
 
 
-def _run_record(args, device) -> dict:
-    """Where and how a model was trained, for its training.json."""
-    import torch
-
-    return {"device": _device_name(device), "bf16_autocast": use_amp(args.amp, device), "threads": args.threads,
-            "torch": torch.__version__}
-
-
 def _save_single(args, students, outs, sizes, summary, tokenizer, lr: float, scratch: bool, device,
                  opt: Optimisation) -> None:
     """Each student with its training.json (and held-out loss, given --eval-corpus) to its --out."""
@@ -490,7 +433,7 @@ def _save_single(args, students, outs, sizes, summary, tokenizer, lr: float, scr
                  "unlikelihood": _unlikelihood_record(opt, summary["steps"]),
                  "train_seconds": round(summary["train_seconds"], 1), "corpus": list(args.corpus),
                  "final_train_ce": summary["history"][name][-1][1] if summary["history"][name] else None,
-                 **_run_record(args, device)}
+                 **run_record(args, device)}
         if windows is not None:
             extra["eval_loss"] = eval_loss(model, windows)
             log(f"{name}: held-out loss {extra['eval_loss']:.4f}", work_dir)
@@ -510,7 +453,7 @@ def run_records(args) -> int:
     from cascade.train.records import RecordSampler, choose_draft_vocab, load_records
     from workers.draft_vocab import DraftVocab
 
-    device = _setup_torch(args)
+    device = setup_torch(args)
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     train = load_records(args.records, held_out=False)
@@ -527,9 +470,9 @@ def run_records(args) -> int:
                 for i, (name, size) in enumerate(zip(names, sizes))}
     sampler = RecordSampler(train, vocab, args.seq_len, args.batch_size, seed=args.seed)
     lr = args.lr if args.lr is not None else 2e-3
-    opt = _optimisation(args, device, lr, warmup=min(args.warmup, max(1, args.steps // 10)))
+    opt = optimisation(args, device, lr, warmup=min(args.warmup, max(1, args.steps // 10)))
     summary = train_students(students, None, sampler, args.steps, opt,
-                             _session(args, work_dir / "checkpoint.pt", args.max_minutes, "distill"), device)
+                             session(args, work_dir / "checkpoint.pt", args.max_minutes, "distill"), device)
     if summary["interrupted"]:
         return 0
     _save_records_students(args, students, outs, sizes, summary, tokenizer, vocab, covered, lr, device)
@@ -563,7 +506,7 @@ def _save_records_students(args, students, outs, sizes, summary, tokenizer, voca
                  "draft_vocab_coverage": covered, "lr": lr, "seed": args.seed,
                  "train_positions": summary["steps"] * args.batch_size * args.seq_len,
                  "train_seconds": round(summary["train_seconds"], 1), "held_out": metrics,
-                 **_run_record(args, device)}
+                 **run_record(args, device)}
         save_model(model, tokenizer, out, dtype=args.save_dtype, extra=extra)
         vocab.save(out, coverage=covered)
         log(f"saved {name} -> {out}", work_dir)
@@ -603,7 +546,7 @@ class _Family:
                 "temperature": None if teacher is None else args.temperature,
                 "corpus": list(args.corpus), "corpus_files": self.n_files, "corpus_tokens": int(self.data.numel()),
                 "final_train_ce": summary["history"][level][-1][1] if summary["history"][level] else None,
-                **_run_record(args, self.device)}
+                **run_record(args, self.device)}
 
     def held_out(self, name: str, model, record: dict) -> None:
         if self.windows is not None:
@@ -611,21 +554,11 @@ class _Family:
             log(f"{name}: held-out loss {record['eval_loss']:.4f}", self.work_dir)
 
 
-def _device_name(device) -> str:
-    """The training device in words (``cpu``, or ``cuda: NVIDIA H200``) for training.json."""
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        return f"cuda: {torch.cuda.get_device_name(device)}"
-    return device.type
-
-
 def run_family(args) -> int:
     """tokenizer -> large from scratch -> medium/small/tiny distilled from it -> (optionally) large
     refined against the ensemble of medium and small. Each stage is skipped once done, so
     re-running the command resumes where it stopped."""
-    device = _setup_torch(args)
+    device = setup_torch(args)
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     sizes = _family_sizes(args.level_size)
@@ -677,8 +610,8 @@ def _family_large(fam: _Family):
         lr = args.lr if args.lr is not None else 1.5e-3
         summary = train_students(
             {"large": large}, None, sampler, args.teacher_steps,
-            _optimisation(args, fam.device, lr, args.warmup),
-            _session(args, fam.work_dir / "large" / "checkpoint.pt", args.teacher_minutes, "large"), fam.device)
+            optimisation(args, fam.device, lr, args.warmup),
+            session(args, fam.work_dir / "large" / "checkpoint.pt", args.teacher_minutes, "large"), fam.device)
         if summary["interrupted"]:
             return None
         record = fam.record("large", summary, lr, None)
@@ -710,8 +643,8 @@ def _family_students(fam: _Family, large) -> bool:
     sampler = fam.sampler(1)
     lr = args.lr if args.lr is not None else 2e-3
     summary = train_students(
-        students, large, sampler, args.student_steps, _optimisation(args, fam.device, lr, args.warmup),
-        _session(args, fam.work_dir / "students" / "checkpoint.pt", args.student_minutes, "students"),
+        students, large, sampler, args.student_steps, optimisation(args, fam.device, lr, args.warmup),
+        session(args, fam.work_dir / "students" / "checkpoint.pt", args.student_minutes, "students"),
         fam.device)
     if summary["interrupted"]:
         return False
@@ -740,9 +673,9 @@ def _family_refine(fam: _Family, large) -> bool:
     log(f"large: refining against the ensemble of medium+small for {args.refine_steps} steps", fam.work_dir)
     summary = train_students(
         {"large": large}, teacher, sampler, args.refine_steps,
-        _optimisation(args, fam.device, args.refine_lr, min(args.warmup, 20),
+        optimisation(args, fam.device, args.refine_lr, min(args.warmup, 20),
                       kl_weight=args.refine_kl_weight, temperature=1.0),
-        _session(args, refine_dir / "checkpoint.pt", args.refine_minutes, "refine"), fam.device)
+        session(args, refine_dir / "checkpoint.pt", args.refine_minutes, "refine"), fam.device)
     if summary["interrupted"]:
         return False
     info = json.loads((fam.work_dir / "large" / "final" / "training.json").read_text())

@@ -436,14 +436,14 @@ def run_head(args) -> int:
 
     from cascade.pull import PULLED, resolve_pulled
     from cascade.train.corpus import load_tokenizer
-    from cascade.train.distill import _optimisation, _session, _setup_torch
+    from cascade.train.session import optimisation, session, setup_torch
     from cascade.train.records import choose_draft_vocab, load_records
     from cascade.train.trainer import log, train_students
     from workers.devices import resolve_dtype
     from workers.draft_vocab import DraftVocab
     from workers.head import random_head
 
-    device = _setup_torch(args)
+    device = setup_torch(args)
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     records = Path(args.records)
@@ -486,9 +486,9 @@ def run_head(args) -> int:
         f"feature RMS {rms:.3f}")
     sampler = HeadSampler(train, args.seq_len, args.batch_size, seed=args.seed)
     lr = args.lr if args.lr is not None else 1e-3
-    opt = _optimisation(args, device, lr, warmup=min(args.warmup, max(1, args.steps // 10)))
+    opt = optimisation(args, device, lr, warmup=min(args.warmup, max(1, args.steps // 10)))
     summary = train_students({"head": head}, None, sampler, args.steps, opt,
-                             _session(args, work_dir / "checkpoint.pt", args.max_minutes, "head"), device,
+                             session(args, work_dir / "checkpoint.pt", args.max_minutes, "head"), device,
                              step_fn=objective)
     if summary["interrupted"]:
         return 0
@@ -513,7 +513,7 @@ def _rounded(d: dict) -> dict:
 
 def _save_head(args, head, vocab, covered, summary, metrics, drafting, ref, features, train, held, rms, lr, params,
                device, say) -> None:
-    from cascade.train.distill import _run_record
+    from cascade.train.session import run_record
     from workers.base import DTYPES
 
     out = Path(args.out[0]) if args.out else Path(args.work_dir) / "head"
@@ -533,6 +533,6 @@ def _save_head(args, head, vocab, covered, summary, metrics, drafting, ref, feat
         "train_seconds": round(summary["train_seconds"], 1),
         "final_train_loss": summary["history"]["head"][-1][1] if summary["history"]["head"] else None,
         "history": summary["history"]["head"], "held_out": metrics, "drafting_greedy": drafting,
-        "save_dtype": args.save_dtype, **_run_record(args, device)}
+        "save_dtype": args.save_dtype, **run_record(args, device)}
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     say(f"saved the head -> {out}")
