@@ -109,3 +109,29 @@ def test_the_real_hierarchy_is_plain_greedy_decoding(authority, tmp_path, policy
                 want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                                       pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
             assert g.token_ids == want[:len(g.token_ids)], (policy, text)
+
+
+def test_the_shipped_feature_head_keeps_plain_greedy_decoding(authority, tmp_path):
+    """topologies/smollm2-head.yaml: the shipped feature head drafts for the float32 authority."""
+    import yaml
+
+    from cascade import Cascade
+
+    _, model, tok = authority
+    root = Path(__file__).resolve().parents[1]
+    data = yaml.safe_load((root / "topologies" / "smollm2-head.yaml").read_text())
+    for level in data["levels"]:
+        if level.get("model", "").startswith("../"):
+            level["model"] = str((root / "topologies" / level["model"]).resolve())
+        if level.get("kind") != "head" and "model" in level:
+            level["dtype"] = "float32"
+    data["policy"] = {"name": "fixed", "params": {"path": ["head", "smollm2"], "lookahead": 3}}
+    with Cascade.from_topology(write_topology(tmp_path / "head.yaml", data)) as c:
+        for text in CHATS[:2]:
+            ids = list(_chat_ids(tok, text))
+            g = c.generate(ids, max_new_tokens=32, temperature=0.0)
+            with torch.inference_mode():
+                want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                      pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+            assert g.token_ids == want[:len(g.token_ids)], text
+            assert g.stats.edges["head->smollm2"].accepted > 0

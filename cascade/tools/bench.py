@@ -211,7 +211,7 @@ class _ConfigBuilder:
 
         if path not in self.cascades:
             topo = self.topo
-            levels = [topo.spec.level(n).model_dump() for n in path]
+            levels = [topo.spec.level(n).model_dump(exclude_unset=True) for n in path]  # as written (a head takes no dtype)
             chain = list(zip(path, path[1:]))
             edges = [list(e) for e in chain + [e for e in topo.graph.subgraph(path).edges if e not in chain]]
             sub = topology_from_dict({"levels": levels, "edges": edges}, topo.source, topo.base_dir,
@@ -342,6 +342,7 @@ def _load(topology: str):
     topo = load_topology(topology)
     if not any(lv.kind == "ngram" for lv in topo.spec.levels):
         data = topo.spec.model_dump()
+        data["levels"] = [lv.model_dump(exclude_unset=True) for lv in topo.spec.levels]
         data["levels"].insert(0, {"name": "ngram", "kind": "ngram"})
         if data["edges"] is not None:  # else the chain in listed order, the n-gram level first
             data["edges"] = [["ngram", data["levels"][1]["name"]]] + data["edges"]
