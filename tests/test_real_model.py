@@ -102,13 +102,21 @@ def test_the_real_hierarchy_is_plain_greedy_decoding(authority, tmp_path, policy
 
     _, model, tok = authority
     with Cascade.from_topology(_real_topology(tmp_path, policy)) as c:
-        for text in CHATS[:2]:
-            ids = list(_chat_ids(tok, text))
-            g = c.generate(ids, max_new_tokens=32, temperature=0.0)
-            with torch.inference_mode():
-                want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                                      pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
-            assert g.token_ids == want[:len(g.token_ids)], (policy, text)
+        _assert_plain_greedy(c, model, tok, policy)
+
+
+def _assert_plain_greedy(c, model, tok, label):
+    """Two chats x 32 tokens through ``c`` equal the authority's own greedy ``generate``; the results."""
+    results = []
+    for text in CHATS[:2]:
+        ids = list(_chat_ids(tok, text))
+        g = c.generate(ids, max_new_tokens=32, temperature=0.0)
+        with torch.inference_mode():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                  pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+        assert g.token_ids == want[:len(g.token_ids)], (label, text)
+        results.append(g)
+    return results
 
 
 def test_the_shipped_feature_head_keeps_plain_greedy_decoding(authority, tmp_path):
@@ -127,11 +135,5 @@ def test_the_shipped_feature_head_keeps_plain_greedy_decoding(authority, tmp_pat
             level["dtype"] = "float32"
     data["policy"] = {"name": "fixed", "params": {"path": ["head", "smollm2"], "lookahead": 3}}
     with Cascade.from_topology(write_topology(tmp_path / "head.yaml", data)) as c:
-        for text in CHATS[:2]:
-            ids = list(_chat_ids(tok, text))
-            g = c.generate(ids, max_new_tokens=32, temperature=0.0)
-            with torch.inference_mode():
-                want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                                      pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
-            assert g.token_ids == want[:len(g.token_ids)], text
+        for g in _assert_plain_greedy(c, model, tok, "head"):
             assert g.stats.edges["head->smollm2"].accepted > 0
