@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from cascade.cli import main
 from conftest import family_topology, write_topology
@@ -360,3 +361,27 @@ def test_bench_times_a_tree_beside_its_chain(family, tmp_path, capsys):
     assert set(by_name) == {"plain", "cascade:small->large", "cascade:small->large:tree3x2x1"}
     tree = by_name["cascade:small->large:tree3x2x1"]
     assert tree["mismatches"] == [] and tree["edges"] == ["small->large"]
+
+
+def test_a_topology_with_a_head_gets_a_row_for_itself_under_auto(family, tmp_path, capsys):
+    """A head beside an independent drafter is on no chain path: the topology as written gets its
+    own auto row (edges as written), beside the head's and the drafter's edge rows."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.head import random_head
+
+    random_head(AutoModelForCausalLM.from_pretrained(family / "large", dtype=torch.float64),
+                seed=3).save_pretrained(tmp_path / "head")
+    data = family_topology(family, ["small", "large"], ngram=True)
+    data["levels"].insert(1, {"name": "head", "kind": "head", "model": str(tmp_path / "head"), "features_of": "large"})
+    data["edges"] = [["head", "large"], ["ngram", "small"], ["small", "large"]]
+    topo = write_topology(tmp_path / "h.yaml", data)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):\n"}))
+    out = tmp_path / "bench"
+    code = main(["bench", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "8",
+                 "--only", "cascade:", "--out", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().out
+    reports = {r["name"]: r for r in json.loads((out / "bench.json").read_text())["reports"]}
+    assert {"cascade:head->large", "cascade:small->large", "cascade:test:auto"} <= set(reports)
+    assert all(r["mismatches"] == [] for r in reports.values())

@@ -113,10 +113,17 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
                 shape = ", ".join(map(str, widths))
                 configs.append(make.cascade(f"cascade:{d}->{authority}:tree{'x'.join(map(str, widths))}", path,
                                             f"fixed:lookahead={{{d}: {len(widths)}}},tree={{{d}: [{shape}]}}"))
-    for label, path in _multilevel_paths(hf_drafts, authority, ngram):
+    paths = _multilevel_paths(hf_drafts, authority, ngram)
+    for label, path in paths:
         for policy in (make.fixed_spec(path), "auto"):
             short = "fixed" if policy.startswith("fixed") else policy
             configs.append(make.cascade(f"cascade:{label}:{short}", path, policy))
+    # the topology as written, under auto, where no path above holds every level (a feature head
+    # beside independent drafters, say): auto chooses among all its paths per step
+    everything = tuple(lv.name for lv in topo.spec.levels if lv.name != authority) + (authority,)
+    if len(everything) > 2 and not any(set(p) == set(everything) for _, p in paths):
+        configs.append(make.cascade(f"cascade:{topo.spec.name}:auto", everything, "auto",
+                                    edges=[tuple(e) for e in topo.graph.edges]))
     return configs
 
 
@@ -144,7 +151,7 @@ class _ConfigBuilder:
         self.auth_model = workers[topo.authority].model
         policy = topo.spec.policy
         self.lookahead = policy.params.get("lookahead", {}) if policy.name == "fixed" else {}
-        self.cascades: dict[tuple[str, ...], Any] = {}  # path -> cascade.api.Cascade
+        self.cascades: dict[tuple, Any] = {}  # (path, edges or None) -> cascade.api.Cascade
 
     def plain(self) -> Config:
         import torch
@@ -184,11 +191,13 @@ class _ConfigBuilder:
             return out[0, len(ids):].tolist(), time.perf_counter() - t0, None
         return Config(name, "hf", path, run=run)
 
-    def cascade(self, name: str, path: tuple[str, ...], policy_spec: str) -> Config:
-        """The levels of ``path`` with the chain's edges and every topology edge between them."""
+    def cascade(self, name: str, path: tuple[str, ...], policy_spec: str,
+                edges: list[tuple[str, str]] | None = None) -> Config:
+        """The levels of ``path`` with the chain's edges and every topology edge between them
+        (``edges``: these edges instead, the chain's not added)."""
         from policies import from_spec
 
-        c = self._cascade(path)
+        c = self._cascade(path, edges)
         policy = from_spec(policy_spec)
 
         def run(ids: list[int], n: int, sampling, seed: int):
@@ -204,20 +213,22 @@ class _ConfigBuilder:
             return [g.token_ids for g in gs]
         return Config(name, "cascade", path, policy_spec, run, c.topology.graph, draw)
 
-    def _cascade(self, path: tuple[str, ...]):
+    def _cascade(self, path: tuple[str, ...], edges: list[tuple[str, str]] | None = None):
         from cascade.api import Cascade
         from cascade.topology import topology_from_dict
         from policies import from_spec
 
-        if path not in self.cascades:
+        key = (path, tuple(edges) if edges is not None else None)
+        if key not in self.cascades:
             topo = self.topo
             levels = [topo.spec.level(n).model_dump(exclude_unset=True) for n in path]  # as written (a head takes no dtype)
-            chain = list(zip(path, path[1:]))
-            edges = [list(e) for e in chain + [e for e in topo.graph.subgraph(path).edges if e not in chain]]
-            sub = topology_from_dict({"levels": levels, "edges": edges}, topo.source, topo.base_dir,
-                                     check_models=False)
-            self.cascades[path] = Cascade(sub, {n: self.workers[n] for n in path}, self.tokenizer, from_spec("fixed"))
-        return self.cascades[path]
+            if edges is None:
+                chain = list(zip(path, path[1:]))
+                edges = chain + [e for e in topo.graph.subgraph(path).edges if e not in chain]
+            sub = topology_from_dict({"levels": levels, "edges": [list(e) for e in edges]}, topo.source,
+                                     topo.base_dir, check_models=False)
+            self.cascades[key] = Cascade(sub, {n: self.workers[n] for n in path}, self.tokenizer, from_spec("fixed"))
+        return self.cascades[key]
 
     def fixed_spec(self, path: tuple[str, ...]) -> str:
         """``fixed`` with the topology's lookahead per level of ``path``, else 3, 5, 7, ... up the path."""
