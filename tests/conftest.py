@@ -11,6 +11,22 @@ import yaml
 # add synchronisation (10x slower under load). Tests use one thread.
 torch.set_num_threads(1)
 
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks
+def pytest_collection_modifyitems(items):
+    """What pytest-xdist (``--dist loadgroup``) hands a worker as one unit: a whole test file,
+    so that a file's module-scoped fixtures (models, a Ray runtime, a server) are built once —
+    except in a file that sets ``SPLIT_ACROSS_WORKERS = True``, whose tests (long independent
+    draws) go one by one to whichever worker is free, and first, the longest work before the
+    rest fills the gaps, so that no one file sets CI's pace."""
+    def split(item) -> bool:
+        return bool(getattr(getattr(item, "module", None), "SPLIT_ACROSS_WORKERS", False))
+
+    items.sort(key=lambda item: not split(item))  # stable: each file's own order is kept
+    for item in items:
+        if not split(item):  # unmarked: a unit of its own
+            item.add_marker(pytest.mark.xdist_group(Path(item.nodeid.split("::")[0]).stem))
+
 TEXT = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"

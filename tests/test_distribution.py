@@ -27,6 +27,9 @@ from draws import (BATCH, KEYED_CASES, MAX_NEW, NGRAM_POLICY, NGRAM_PROMPT, PROM
                    draw_pairs, exact_pairs, per_row, table_topology, verify_ignoring_draft_probs)
 from stats_util import chi_square_pvalue, total_variation
 
+SPLIT_ACROSS_WORKERS = True  # long independent draws: one by one to a free worker (conftest.py)
+
+
 CASES = [("residual", *case) for case in RESIDUAL_CASES] + [(None, *case) for case in KEYED_CASES]
 
 

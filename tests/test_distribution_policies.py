@@ -11,6 +11,8 @@ from conftest import write_topology
 from draws import BATCH, MAX_NEW, PROMPT, SCALE, VOCAB, exact_pairs
 from stats_util import chi_square_pvalue, total_variation
 
+SPLIT_ACROSS_WORKERS = True  # long independent draws: one by one to a free worker (conftest.py)
+
 
 ADAPTIVE = [
     # (policy, params): every adaptive policy in control, with low thresholds so that

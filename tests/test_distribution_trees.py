@@ -17,6 +17,8 @@ from cascade import Cascade
 from draws import BATCH, MAX_NEW, PROMPT, TREE_CASES, exact_pairs, table_topology, tree_policy, trees_without_residual
 from stats_util import chi_square_pvalue, total_variation
 
+SPLIT_ACROSS_WORKERS = True  # long independent draws: one by one to a free worker (conftest.py)
+
 
 @pytest.mark.parametrize("coupling,depth,temperature,top_k,widths", TREE_CASES,
                          ids=[f"{c or 'keyed'}-{d}level-T{t}-k{k}-{'x'.join(map(str, w))}" for c, d, t, k, w in TREE_CASES])

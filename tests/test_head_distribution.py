@@ -24,6 +24,8 @@ from conftest import make_llama, write_topology
 from head_util import copy_head
 from stats_util import chi_square_pvalue, total_variation
 
+SPLIT_ACROSS_WORKERS = True  # long independent draws: one by one to a free worker (conftest.py)
+
 VOCAB = 8
 PROMPT = [1, 2, 3]
 BATCH = 256

@@ -25,6 +25,8 @@ from cascade.tree import (ROOT, DraftTree, TreeVerdict, draw_siblings, verify_tr
 from cascade.verify import Verdict, verify_block
 from stats_util import chi_square_pvalue, reference_warp, total_variation
 
+SPLIT_ACROSS_WORKERS = True  # long independent draws: one by one to a free worker (conftest.py)
+
 V = 5
 BIG = 1e4
 PROMPT = (0, 1)  # the committed prefix
