@@ -91,7 +91,7 @@ def test_the_head_loads_and_training_lowered_the_held_out_loss(trained):
     assert held["positions"] > 0 and all(v == v for v in held.values())
     assert 0 <= held["top1_agreement"] <= 1 and 0 < held["expected_acceptance_t1"] <= 1
     drafting = training["drafting_greedy"]
-    assert drafting["starts"] == 32 and drafting["depth"] == 3
+    assert drafting["starts"] == 32 and drafting["depth"] == 3 and drafting["positions"] == "answers"
     assert drafting["accepted_at"] == sorted(drafting["accepted_at"], reverse=True)
     assert training["steps"] == 60 and training["lm_head"] == "authority"
     model = load_authority(authority)
@@ -198,6 +198,32 @@ def test_drafting_figures_of_a_head_that_recomputes_its_authority(tmp_path, toke
                               torch.device("cpu"))
     exact = draft_acceptance(copy_head(auth, noise=0.0, feature_weight=0.0), objective, model, data, starts=40)
     assert exact["starts"] == 40 and exact["accepted_at"] == [1.0, 1.0, 1.0]
-    assert exact["tokens_per_authority_pass"] == 4.0
+    assert exact["tokens_per_authority_pass"] == 4.0 and exact["positions"] == "all"
+    # answers starting 3 tokens before each end: the starts draft from the last 3 positions but one
+    tail = draft_acceptance(copy_head(auth, noise=0.0, feature_weight=0.0), objective, model, data, starts=40,
+                            answers=[n - 3 for n in lengths])
+    assert tail["starts"] == 3 * len(lengths) and tail["positions"] == "answers"
     other = draft_acceptance(random_head(model, seed=3).double(), objective, model, data, starts=40)
     assert other["accepted_at"][0] < 0.5 and other["tokens_per_authority_pass"] < 2.0
+
+
+def test_drafting_figures_start_in_the_answers():
+    """The drafting figures draft what the engine drafts: the answers, found after the chat
+    template's generation prompt; the system prompt and the user's turn are left out."""
+    from cascade.train.head import HeadData, answer_starts, generation_prompt
+
+    tokenizer = chat_tokenizer()
+    marker = generation_prompt(tokenizer)
+    assert tokenizer.decode(marker) == "<|im_start|>assistant\n"
+    chats = []
+    for q, a in (("hi", "hello there, how can I help"), ("2+2?", "4, of course")):
+        opened = tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                               add_generation_prompt=True)
+        opened = list(opened["input_ids"] if hasattr(opened, "keys") else opened)
+        chats.append((opened, tokenizer(a, add_special_tokens=False).input_ids))
+    lengths = [len(o) + len(a) for o, a in chats]
+    tokens = torch.tensor([t for o, a in chats for t in o + a])
+    data = HeadData(tokens, torch.zeros(len(tokens), 4), torch.zeros(len(tokens)), torch.zeros(len(tokens)), lengths)
+    assert answer_starts(data, marker) == [len(o) for o, _ in chats]
+    assert answer_starts(data, [10**6]) == [None, None]
+    assert generation_prompt(object()) is None  # no chat template: every position counts
