@@ -332,17 +332,22 @@ def test_bench_refuses_bad_sampling_values(flag, value, capsys):
     assert f"argument {flag}" in capsys.readouterr().err
 
 
+def bench_reports(topo, tmp_path, capsys, prompts, *args):
+    """``cascade bench`` on ``prompts`` (strings) with ``args``; its reports by name."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
+    out = tmp_path / "bench"
+    code = main(["bench", "--topology", str(topo), "--prompts", str(path), *args, "--out", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().out
+    return {r["name"]: r for r in json.loads((out / "bench.json").read_text())["reports"]}
+
+
 def test_every_edge_into_the_authority_has_a_speculative_row(family, tmp_path, capsys):
     """A 2-level ngram -> authority topology gets its cascade:ngram->large row (not only the
     authority alone and transformers' prompt lookup)."""
     topo = write_topology(tmp_path / "n.yaml", family_topology(family, ["large"], ngram=True))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "def f(x):\n    return f(x)\ndef f(x):\n"}))
-    out = tmp_path / "bench"
-    code = main(["bench", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "8",
-                 "--only", "cascade:", "--out", str(out), "--no-progress"])
-    assert code == 0, capsys.readouterr().out
-    reports = {r["name"]: r for r in json.loads((out / "bench.json").read_text())["reports"]}
+    reports = bench_reports(topo, tmp_path, capsys, ["def f(x):\n    return f(x)\ndef f(x):\n"],
+                            "--max-new-tokens", "8", "--only", "cascade:")
     assert {"cascade:authority", "cascade:ngram->large"} <= set(reports)
     assert reports["cascade:ngram->large"]["edges"] == ["ngram->large"]
     assert reports["cascade:ngram->large"]["mismatches"] == []
@@ -351,13 +356,8 @@ def test_every_edge_into_the_authority_has_a_speculative_row(family, tmp_path, c
 def test_bench_times_a_tree_beside_its_chain(family, tmp_path, capsys):
     topo = write_topology(tmp_path / "b.yaml", family_topology(
         family, ["small", "large"], policy={"name": "fixed", "params": {"lookahead": {"small": 3}}}))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):\n", "import os\n"]))
-    out = tmp_path / "bench"
-    code = main(["bench", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "16",
-                 "--only", "cascade:small->large", "--tree", "3,2,1", "--out", str(out), "--no-progress"])
-    assert code == 0, capsys.readouterr().out
-    by_name = {r["name"]: r for r in json.loads((out / "bench.json").read_text())["reports"]}
+    by_name = bench_reports(topo, tmp_path, capsys, ["def f(x):\n", "import os\n"], "--max-new-tokens", "16",
+                            "--only", "cascade:small->large", "--tree", "3,2,1")
     assert set(by_name) == {"plain", "cascade:small->large", "cascade:small->large:tree3x2x1"}
     tree = by_name["cascade:small->large:tree3x2x1"]
     assert tree["mismatches"] == [] and tree["edges"] == ["small->large"]
@@ -376,12 +376,6 @@ def test_a_topology_with_a_head_gets_a_row_for_itself_under_auto(family, tmp_pat
     data["levels"].insert(1, {"name": "head", "kind": "head", "model": str(tmp_path / "head"), "features_of": "large"})
     data["edges"] = [["head", "large"], ["ngram", "small"], ["small", "large"]]
     topo = write_topology(tmp_path / "h.yaml", data)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "def f(x):\n"}))
-    out = tmp_path / "bench"
-    code = main(["bench", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "8",
-                 "--only", "cascade:", "--out", str(out), "--no-progress"])
-    assert code == 0, capsys.readouterr().out
-    reports = {r["name"]: r for r in json.loads((out / "bench.json").read_text())["reports"]}
+    reports = bench_reports(topo, tmp_path, capsys, ["def f(x):\n"], "--max-new-tokens", "8", "--only", "cascade:")
     assert {"cascade:head->large", "cascade:small->large", "cascade:test:auto"} <= set(reports)
     assert all(r["mismatches"] == [] for r in reports.values())
