@@ -339,8 +339,7 @@ def answer_starts(data: HeadData, marker: list[int]) -> list[int | None]:
     n = len(marker)
     for start, length in data.conversations():
         toks = data.tokens[start:start + length].tolist()
-        found = [i + n for i in range(length - n, -1, -1) if toks[i:i + n] == marker]
-        out.append(found[0] if found else None)
+        out.append(next((i + n for i in range(length - n, -1, -1) if toks[i:i + n] == marker), None))
     return out
 
 
