@@ -153,9 +153,10 @@ def test_sampling_probs_top_k_and_top_p():
 def test_top_p_ranks_only_as_far_as_the_nucleus_reaches_and_keeps_the_sorted_rule():
     """sampling_probs finds the nucleus with topk over 128, 1,024, ... ranks: the same tokens and
     masses as ranking the whole row, for peaked rows, flat rows that need every widening, and
-    vocabularies smaller than the first width; each row as alone in a batch."""
+    vocabularies smaller than the first width; each row as alone in a batch. Float64 logits: no
+    ties in rank and no mass within rounding of top_p, so the verdict holds on any processor."""
     def by_sorting(logits, top_p):
-        probs = torch.softmax(logits.float(), -1)
+        probs = torch.softmax(logits, -1)
         ranked, order = torch.sort(probs, -1, descending=True)
         ranked = ranked.masked_fill(ranked.cumsum(-1) - ranked >= top_p, 0.0)
         kept = torch.zeros_like(probs).scatter(-1, order, ranked)
@@ -164,14 +165,14 @@ def test_top_p_ranks_only_as_far_as_the_nucleus_reaches_and_keeps_the_sorted_rul
     g = torch.Generator().manual_seed(7)
     for vocab in (5, 100, 49152):
         scales = torch.tensor([0.01, 0.5, 2.0, 4.0, 8.0, 30.0])  # flat (nucleus ~ the vocabulary) .. one-hot
-        logits = torch.randn(len(scales), vocab, generator=g) * scales[:, None]
+        logits = torch.randn(len(scales), vocab, generator=g, dtype=torch.float64) * scales[:, None]
         for top_p in (0.5, 0.9, 0.95, 0.999):
             got, want = sampling_probs(logits, 1.0, top_p=top_p), by_sorting(logits, top_p)
             assert torch.equal(got > 0, want > 0), (vocab, top_p)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
             for i in range(len(scales)):
                 assert torch.equal(sampling_probs(logits[i], 1.0, top_p=top_p), got[i])
-    widest = (by_sorting(torch.randn(1, 49152, generator=g) * 0.01, 0.95) > 0).sum()
+    widest = (by_sorting(torch.randn(1, 49152, generator=g, dtype=torch.float64) * 0.01, 0.95) > 0).sum()
     assert widest > 8 * 1024  # the flat row went past every topk width, to the full sort
 
 

@@ -349,7 +349,7 @@ def generation_prompt(tokenizer) -> list[int] | None:
         turn = [{"role": "user", "content": "x"}]
         bare = tokenizer.apply_chat_template(turn, tokenize=True)
         opened = tokenizer.apply_chat_template(turn, tokenize=True, add_generation_prompt=True)
-    except Exception:  # no chat template
+    except (AttributeError, ValueError):  # not a chat tokenizer / no chat template
         return None
     bare, opened = (list(x["input_ids"] if hasattr(x, "keys") else x) for x in (bare, opened))
     return opened[len(bare):] if len(opened) > len(bare) and opened[:len(bare)] == bare else None
@@ -497,8 +497,8 @@ def run_head(args) -> int:
     held = load_head_data(records, features, held_out=True)
     config = authority.config
     vocab, covered = None, 1.0
+    tokenizer = load_tokenizer(path)
     if args.draft_vocab:
-        tokenizer = load_tokenizer(path)
         ids, covered = choose_draft_vocab(load_records(records, held_out=False), args.draft_vocab, config.vocab_size,
                                           tokenizer.all_special_ids)
         vocab = DraftVocab(ids, config.vocab_size)
@@ -532,7 +532,7 @@ def run_head(args) -> int:
     drafting = {"starts": 0}
     if args.eval_drafts > 0:
         started = time.perf_counter()
-        marker = generation_prompt(load_tokenizer(path))
+        marker = generation_prompt(tokenizer)
         answers = answer_starts(held, marker) if marker else None
         drafting = draft_acceptance(head, objective, authority, held, starts=args.eval_drafts, seed=args.seed,
                                     answers=answers)
