@@ -180,6 +180,12 @@ class CostAwarePolicy(_PathMixin, Policy):
         self.steps = 0
         self._init_path(getattr(p, "path", None))  # escalation and auto choose the path per step
 
+    def bind(self, graph: nx.DiGraph, authority: str) -> None:
+        super().bind(graph, authority)
+        kinds = {n: graph.nodes[n].get("kind", "hf") for n in graph}
+        for estimates in (self.estimates, *getattr(self, "contexts", {}).values()):
+            estimates.kinds = kinds
+
     def _exploring(self) -> bool:
         return self.explore > 0 and self.rng.random() < self.explore * 200 / (200 + self.steps)
 
@@ -265,6 +271,11 @@ class EscalationPolicy(CostAwarePolicy):
         self._plans = self._rounds = 0
         self._since_probe = 0.0
         self._probes: list[tuple[str, ...]] = []  # the rest of the current probe round
+        # the last probe, whether anything was proposed in it (None: not told yet), and how often
+        # it was retried
+        self._probing: tuple[tuple[str, ...], bool | None, int] | None = None
+        self.probe_retries = 8
+        self._retry = 0
         self.contender_margin = 0.25
         self.estimates.pool_weight = p.pool_weight
         self.contexts = {True: Estimates(prior=p.prior, decay=p.decay, pool_weight=p.pool_weight),
@@ -327,11 +338,21 @@ class EscalationPolicy(CostAwarePolicy):
         # proportion to the batch: so probes come every ``probe_every`` steps of one sequence
         # (a step of a batch of B counts 1/B).
         self._since_probe += 1.0 / max(1, ctx.batch_size)
+        if self._probing is not None:
+            # A probe in which nothing was proposed (prompt lookup without a match) measured no
+            # acceptance: it is taken again, so that such a level is measured at all.
+            probed, drafted, tries = self._probing
+            self._probing = None
+            if drafted is False and tries < self.probe_retries and probed in candidates:
+                self._probes.append(probed)
+                self._retry = tries + 1
+                self._plans -= 1  # a retry does not use up the warm-up
         if not self._probes and (self._plans <= self.warmup * len(candidates) or self._since_probe >= self._interval):
             self._since_probe = 0.0
             self._probes = self._probe_round(priced)
         if self._probes:
             path = self._probes.pop()
+            self._probing, self._retry = (path, True if len(path) < 2 else None, self._retry), 0
             if not self._probes:  # the round's last probe: price afresh with what the round taught
                 self._prices.clear()
                 self._judge_round = True
@@ -392,6 +413,8 @@ class EscalationPolicy(CostAwarePolicy):
 
     def observe(self, feedback: StepFeedback) -> None:
         self.steps += 1
+        if self._probing is not None and not self._probing[1] and feedback.plan.path == self._probing[0]:
+            self._probing = (self._probing[0], any(e.proposed > 0 for e in feedback.edges), self._probing[2])
         self.contexts[self._context].observe(feedback)
         if self.confident is not None and feedback.confidence is not None:
             self._context = feedback.confidence >= self.confident
@@ -454,14 +477,19 @@ class AutoPolicy(EscalationPolicy):
 
     def _threshold(self, estimates: Estimates, edge: tuple[str, str], batch: int) -> float:
         """The block survival below which one more drafted token stops paying: drafting it costs
-        the drafter's pass plus the verifier's extra position, and it earns its chance of
-        acceptance times the seconds a committed token costs on this edge."""
+        the drafter's pass plus the verifier's extra position (its average share over a block),
+        and it earns its chance of acceptance times the seconds a committed token costs on this
+        edge."""
         first, verifier = edge
         rates: dict[str, float] = {}
-        estimates.path_cost(edge, self.price_lookahead, batch=batch, rates=rates)
+        _, lookahead = estimates.path_cost(edge, self.price_lookahead, batch=batch, rates=rates)
         draft = estimates.cost(first, batch, 1) or 0.0
-        one, two = estimates.cost(verifier, batch, 1), estimates.cost(verifier, batch, 2)
-        extra = (two - one) if one is not None and two is not None else 0.0
+        # A drafted position's share of the verifying pass: averaged over the block the cost
+        # model would draft (the price lookahead if none), since a pass is not linear in its
+        # positions — on a CPU the second position can cost most of a pass, the next few little.
+        k = lookahead.get(first) or self.price_lookahead
+        one, wide = estimates.cost(verifier, batch, 1), estimates.cost(verifier, batch, k + 1)
+        extra = (wide - one) / k if one is not None and wide is not None else 0.0
         value = rates[verifier] * estimates.calibration(first, verifier).mean(Calibration.LATER)
         return min(0.9, max(0.02, (draft + extra) / value)) if value > 0 else 0.9
 

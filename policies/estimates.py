@@ -7,6 +7,9 @@ novel logic).
 from __future__ import annotations
 
 import bisect
+import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from policies.base import PassCost, StepFeedback
@@ -130,15 +133,34 @@ def tree_passes(widths: tuple[int, ...]) -> tuple[list[int], int]:
     return passes, size
 
 
+def width_bucket(positions: float) -> int:
+    """Positions per pass 1 to 8 each their own bucket; above, four buckets per doubling."""
+    if positions <= 8.5:
+        return max(1, round(positions))
+    return 8 + round(4 * math.log2(positions / 8))
+
+
 @dataclass
 class PassModel:
-    """Seconds of a call of ``passes`` forward passes computing ``tokens`` positions in all:
-    ``per_pass * passes + per_token * tokens``, fitted by exponentially weighted non-negative
-    least squares, stalls clipped."""
+    """Seconds of a call of ``passes`` forward passes computing ``tokens`` positions in all.
+
+    Two views of the same calls. A line, ``per_pass * passes + per_token * tokens``, fitted by
+    exponentially weighted non-negative least squares, stalls clipped. And the cost of one pass
+    by its positions, measured: per :func:`width_bucket`, the median of its last ``window``
+    passes (the median shrugs off a stalled call). Real passes are not linear in their
+    positions: SmolLM2-135M-Instruct in float32 on an AVX2 core cost 1.9x a one-position pass for
+    2 positions and 2.2x for 8 (the matrix kernel changes with the rows), where a line through 1
+    and 33 positions puts them at 1.1x and 1.8x. :meth:`pass_seconds` interpolates between the measured buckets (each
+    with at least ``min_samples`` passes, made non-decreasing) and extrapolates beyond them
+    along the line's slope; with none measured it is the line."""
 
     fit_decay: float = 0.97
+    window: int = 15
+    min_samples: int = 3
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # pp, pt, tt, ps, ts
     _fit: tuple[float, float] | None = None
+    _widths: dict[int, tuple[deque, deque]] = field(default_factory=dict)  # bucket -> (positions, seconds)
+    _points: tuple[list[float], list[float]] | None = None
     calls: int = 0
 
     def observe(self, passes: float, tokens: float, seconds: float) -> None:
@@ -153,6 +175,38 @@ class PassModel:
         for i, v in enumerate((passes * passes, passes * tokens, tokens * tokens, passes * seconds, tokens * seconds)):
             self._sums[i] += v
         self._fit = None
+        if passes > 0:
+            width = tokens / passes
+            kept = self._widths.setdefault(width_bucket(width), (deque(maxlen=self.window), deque(maxlen=self.window)))
+            kept[0].append(width)
+            kept[1].append(seconds / passes)
+            self._points = None
+
+    def pass_seconds(self, positions: float) -> float | None:
+        """Seconds of one pass computing ``positions`` positions; None before any call."""
+        fit = self.fit
+        if fit is None:
+            return None
+        if self._points is None:
+            measured = sorted((statistics.median(w), statistics.median(s))
+                              for w, s in self._widths.values() if len(s) >= self.min_samples)
+            xs, ys, top = [], [], 0.0
+            for x, y in measured:
+                top = max(top, y)  # a pass over more positions costs no less
+                xs.append(x)
+                ys.append(top)
+            self._points = (xs, ys)
+        xs, ys = self._points
+        a, b = fit
+        if not xs:
+            return a + b * positions
+        if positions <= xs[0]:
+            return max(0.0, ys[0] - b * (xs[0] - positions))
+        if positions >= xs[-1]:
+            return ys[-1] + b * (positions - xs[-1])
+        i = bisect.bisect_right(xs, positions)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (positions - x0) / (x1 - x0) if x1 > x0 else y1
 
     @property
     def fit(self) -> tuple[float, float] | None:
@@ -204,7 +258,7 @@ class LevelCost:
     catch_up_positions: int = 4
     min_calls: int = 8
     buckets: dict[int, PassModel] = field(default_factory=dict)
-    _fits: dict[int, tuple[float, float] | None] = field(default_factory=dict)  # per bucket wanted, until a call
+    _models: dict[int, PassModel] = field(default_factory=dict)  # per bucket wanted, until a call
 
     def observe(self, seconds: float, passes: int) -> None:
         # A level without forward passes (prompt lookup) still costs its call time.
@@ -220,29 +274,35 @@ class LevelCost:
         if tokens > self.prefill_positions * rows or catch_up > self.catch_up_positions:
             return
         self.buckets.setdefault(batch_bucket(rows / passes), PassModel()).observe(passes, tokens, seconds)
-        self._fits.clear()
+        self._models.clear()
 
-    def fit(self, batch: int = 1) -> tuple[float, float] | None:
-        """(seconds per pass, per position) at this batch size: its bucket's, else the nearest
-        measured bucket's (preferring fits of at least ``min_calls`` calls); None if none is."""
+    def model(self, batch: int = 1) -> PassModel | None:
+        """The pass model at this batch size: its bucket's, else the nearest measured bucket's
+        (preferring models of at least ``min_calls`` calls); None if none is."""
         if not self.buckets:
             return None
         want = batch_bucket(batch)
-        if want not in self._fits:
+        if want not in self._models:
             # the nearest bucket with enough calls behind its fit (a young fit splits badly)
             settled = [k for k, m in self.buckets.items() if m.calls >= self.min_calls] or list(self.buckets)
             nearest = min(settled, key=lambda k: (abs(k - want), -k))
-            self._fits[want] = self.buckets[nearest].fit
-        return self._fits[want]
+            self._models[want] = self.buckets[nearest]
+        return self._models[want]
+
+    def fit(self, batch: int = 1) -> tuple[float, float] | None:
+        """(seconds per pass, per position) of the line fitted at this batch size (see
+        :meth:`model`); None if none is measured."""
+        model = self.model(batch)
+        return model.fit if model is not None else None
 
     def per_sequence(self, batch: int, width: int) -> float | None:
         """Seconds one of ``batch`` sequences is charged for a pass scoring ``width`` positions of
         its own (the pass's fixed cost is shared by the batch)."""
-        fit = self.fit(batch)
-        if fit is None:
+        model = self.model(batch)
+        if model is None or model.fit is None:
             return self.seconds
-        a, b = fit
-        return a / max(1, batch) + b * width
+        batch = max(1, batch)
+        return model.pass_seconds(batch * width) / batch
 
 
 BINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # lower edges of confidence bins
@@ -303,6 +363,7 @@ class Estimates:
         self.prior = prior
         self.decay = decay
         self.pool_weight = pool_weight
+        self.kinds: dict[str, str] = {}  # level -> its kind (hf, ngram, head, ...): pools stay within a kind
         self.edges: dict[tuple[str, str], EdgeAcceptance] = {}
         self.trees: dict[tuple[str, str], TreeAcceptance] = {}
         self.calibrations: dict[tuple[str, str], Calibration] = {}
@@ -367,7 +428,10 @@ class Estimates:
         ``pool_weight``, an edge's acceptance is shrunk towards the rate pooled over all edges
         into the same verifier, worth that many observations: drafters checked by one model
         accept alike unless measured otherwise, so a rarely tried edge is priced mostly by its
-        (well measured) costs instead of by a few noisy rounds. Under load a pass's fixed cost is shared by the batch while
+        (well measured) costs instead of by a few noisy rounds. Only drafters of one kind
+        (``kinds``: models, an n-gram level, a feature head) pool: prompt lookup proposes only
+        where the text repeats and is then accepted far more often than a small model is, so a
+        rate pooled across kinds would misprice both. Under load a pass's fixed cost is shared by the batch while
         each position still costs its own, which is what makes speculation stop paying.
 
         With ``tree`` (widths per depth), the first edge is a tree of the first level's top
@@ -379,16 +443,19 @@ class Estimates:
             c = self.cost(level, batch, width)
             return default_cost if c is None else c
 
-        into: dict[str, list[EdgeAcceptance]] = {}
+        into: dict[tuple[str, str | None], list[EdgeAcceptance]] = {}
 
-        def pooled(level: str, j: int) -> float | None:
-            """Acceptance at position j pooled over every edge into ``level``."""
+        def pooled(below: str, level: str, j: int) -> float | None:
+            """Acceptance at position j pooled over every edge into ``level`` from a proposer of
+            ``below``'s kind."""
             if not self.pool_weight:
                 return None
-            if level not in into:
-                into[level] = [e for (_, verifier), e in self.edges.items() if verifier == level and e.seen]
+            key = (level, self.kinds.get(below))
+            if key not in into:
+                into[key] = [e for (proposer, verifier), e in self.edges.items()
+                             if verifier == level and e.seen and self.kinds.get(proposer) == key[1]]
             seen = accepted = 0.0
-            for e in into[level]:
+            for e in into[key]:
                 i = min(j, len(e.seen) - 1)
                 seen, accepted = seen + e.seen[i], accepted + e.accepted[i]
             return accepted / seen if seen else None
@@ -409,7 +476,7 @@ class Estimates:
             best_k, best = 0, cost(level, 1)  # k = 0: the level samples a token itself, one pass per token
             expected, survive = 1.0, 1.0  # expected_tokens(k), built up incrementally
             for k in range(1, max_lookahead + 1):
-                pool = pooled(level, k - 1)
+                pool = pooled(below, level, k - 1)
                 survive *= acc.rate(k - 1) if pool is None else acc.rate(k - 1, pool, self.pool_weight)
                 expected += survive
                 per = (k * per_token + cost(level, k + 1)) / expected

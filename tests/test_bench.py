@@ -43,8 +43,9 @@ def test_bench_end_to_end(family, tmp_path, capsys, monkeypatch):
     assert full["predicted_path"] == ["tiny", "small", "large"]
     auto = by_name["cascade:3level:auto"]
     assert set(auto["edges"]) == set(full["edges"]) == {"tiny->small", "small->large", "tiny->large"}
-    # (these stand-in models are too small for drafting to pay, so auto may stay on the authority)
-    assert auto["predicted_path"] in ([], ["tiny", "small", "large"], ["tiny", "large"])
+    # (these stand-in models are too small for drafting to pay, so auto may stay on the authority;
+    # any path of the topology is its to take)
+    assert auto["predicted_path"] in ([], ["tiny", "small", "large"], ["tiny", "large"], ["small", "large"])
     assert by_name["cascade:tiny->large"]["edges"] == ["tiny->large"]
     assert set(full["level_seconds_per_token"]) == {"tiny", "small", "large"}
     assert full["orchestration_seconds_per_token"] >= 0

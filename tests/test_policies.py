@@ -224,6 +224,82 @@ def test_level_cost_learns_pass_and_position_costs_per_batch_size():
     assert cost.fit(16) == before
 
 
+# One float32 pass of SmolLM2-135M-Instruct on an AVX2 EPYC core by positions scored (ms, the
+# lean forward after a 200-token prefix, 2026-12-03): the second position costs most of a pass
+# (the matrix kernel changes with the rows), the next ones little.
+CPU_CURVE = {1: 0.065, 2: 0.125, 4: 0.125, 8: 0.142, 16: 0.187, 33: 0.300}
+
+
+def test_pass_cost_is_measured_by_width_not_assumed_linear():
+    cost = LevelCost()
+    for _ in range(5):
+        for width, seconds in CPU_CURVE.items():
+            cost.observe_pass(1, width, seconds, rows=1)
+    cost.observe_pass(1, 4, 0.9, rows=1)  # a stalled pass moves no median
+    model = cost.model(1)
+    for width, seconds in CPU_CURVE.items():
+        assert cost.per_sequence(1, width) == pytest.approx(seconds)
+    assert cost.per_sequence(1, 3) == pytest.approx(0.125)  # between measured widths: interpolated
+    assert cost.per_sequence(1, 12) == pytest.approx((0.142 + 0.187) / 2)
+    assert cost.per_sequence(1, 65) == pytest.approx(0.300 + model.fit[1] * 32)  # beyond: the line's slope
+    a, b = model.fit  # the line through the same passes prices the authority alone 70% too dear
+    assert a + b > 1.5 * CPU_CURVE[1]
+    # priced with the measured curve, a block of drafts is long or nothing: the second position
+    # is dear, the ones after it nearly free
+    est = Estimates()
+    est.costs["large"], est.costs["tiny"] = cost, LevelCost(seconds=1e-6)
+    edge = est.edge("tiny", "large")
+    edge.prior, edge.prior_weight = 0.7, 1e9
+    per_token, lookahead = est.path_cost(("tiny", "large"), 12)
+    assert lookahead["tiny"] >= 6 and per_token < CPU_CURVE[1]
+    edge.prior = 0.35
+    assert est.path_cost(("tiny", "large"), 12)[1]["tiny"] == 0
+
+
+def test_an_ngram_level_is_not_pooled_with_model_drafters():
+    """Prompt lookup proposes only where the text repeats, and is accepted there far more often
+    than a small model: its few measurements are not shrunk towards the models' rate."""
+    est = Estimates(prior=0.5, pool_weight=20)
+    est.kinds = {"ngram": "ngram", "tiny": "hf", "small": "hf", "large": "hf"}
+    for level in ("ngram", "tiny", "small"):
+        est.costs[level] = LevelCost(seconds=1e-6)
+    est.costs["large"] = LevelCost()
+    for width in (1, 2, 3, 4, 5) * 5:  # 10 ms for one position, 4 ms more for each other
+        est.costs["large"].observe_pass(1, width, 0.006 + 0.004 * width, rows=1)
+    for _ in range(200):
+        est.edge("tiny", "large").observe(4, 0)  # the model drafter: rejected
+    for proposer in ("ngram", "small"):
+        for _ in range(3):
+            est.edge(proposer, "large").observe(4, 4)  # three blocks, accepted whole
+    assert est.path_cost(("ngram", "large"), 4)[1]["ngram"] == 4
+    assert est.path_cost(("small", "large"), 4)[1]["small"] == 0  # a model: shrunk towards the models' rate
+    est.pool_weight = 0
+    assert est.path_cost(("small", "large"), 4)[1]["small"] > 0
+    est.pool_weight, est.kinds = 20, {}  # kinds unknown: one pool, as before
+    assert est.path_cost(("ngram", "large"), 4)[1]["ngram"] == 0
+
+
+def test_a_probe_in_which_nothing_was_proposed_is_taken_again():
+    """Prompt lookup proposes nothing where the text does not repeat; a probe of its path then
+    measured nothing, and is retried (up to probe_retries) until something is proposed."""
+    graph = nx.DiGraph([("ngram", "large")])
+    policy = bound(EscalationPolicy(explore=0.0, warmup=1, probe_every=10**9), graph)
+    policy.probe_retries = 3
+
+    def plan_and_answer(proposed):
+        path, lookahead, kind, _ = policy._choose(ctx(graph), 8)
+        policy.observe(feedback(StepPlan(path, lookahead), [("ngram", "large", proposed, 0)] if len(path) > 1 else [],
+                                {}, {}))
+        return path, kind
+
+    steps = [plan_and_answer(0) for _ in range(6)]
+    probes = [path for path, kind in steps if kind == "probe"]
+    assert probes.count(("ngram", "large")) == 1 + 3 and probes.count(("large",)) == 1  # retried 3 times
+    policy = bound(EscalationPolicy(explore=0.0, warmup=1, probe_every=10**9), graph)
+    steps = [plan_and_answer(2) for _ in range(4)]
+    assert [kind for _, kind in steps][:2] == ["probe", "probe"] and [kind for _, kind in steps][2:] == ["exploit"] * 2
+
+
 def test_speculation_stops_paying_under_load():
     """Same acceptance, same models: at batch 1 drafting pays; in a large batch, where each
     drafted position costs the authority nearly what decoding a token costs, it does not."""

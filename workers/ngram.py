@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cascade.errors import describe
 from cascade.sampling import Sampling
-from policies.base import StopRule
+from policies.base import DraftStep, StopRule
 from workers.base import Draft, Worker
 
 
@@ -81,12 +81,37 @@ class NGramWorker(Worker):
         uniforms: Sequence[torch.Tensor],
         stop: StopRule | None = None,
     ) -> list[Draft]:
-        # Deterministic proposals: one-hot draft_probs, and a confidence stop never fires.
+        # Deterministic proposals: one-hot draft_probs, every token drafted with probability 1.
+        proposals = [self.lookup(tokens, n) if n > 0 else [] for tokens, n in zip(token_ids, max_tokens)]
+        keep = self._stop(proposals, stop) if stop is not None else [len(p) for p in proposals]
         out = []
-        for tokens, n in zip(token_ids, max_tokens):
-            proposal = self.lookup(tokens, n) if n > 0 else []
-            probs = torch.zeros(len(proposal), self.vocab_size)
-            if proposal:
-                probs[torch.arange(len(proposal)), torch.tensor(proposal)] = 1.0
-            out.append(Draft(proposal, probs, 0, [1.0] * len(proposal)))
+        for proposal, k in zip(proposals, keep):
+            tokens = proposal[:k]
+            probs = torch.zeros(len(tokens), self.vocab_size)
+            if tokens:
+                probs[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+            out.append(Draft(tokens, probs, 0, [1.0] * len(tokens), stopped_early=k < len(proposal)))
         return out
+
+    @staticmethod
+    def _stop(proposals: list[list[int]], stop: StopRule) -> list[int]:
+        """How much of each proposal the stop rule keeps, column by column across the rows as a
+        model drafter's would be (``StopRule.stop_batch``). Each token's probability is 1, so a
+        rule on the drafter's confidence or entropy never fires; a calibrated one (``auto``)
+        reads the measured acceptance of the n-gram level's tokens and ends a block where one
+        more token would not pay — a rejected block of 32 costs the verifier a 33-position pass."""
+        keep = [len(p) for p in proposals]
+        last: list[DraftStep | None] = [None] * len(proposals)
+        for j in range(max(keep, default=0)):
+            live = [r for r in range(len(proposals)) if j < keep[r]]
+            steps = []
+            for r in live:
+                step = DraftStep(j, 1.0, 1.0, max_prob=1.0, entropy=0.0, previous=last[r])
+                if last[r] is not None:
+                    last[r].previous = None  # one link: a rule reads its state from the step before
+                last[r] = step
+                steps.append(step)
+            for r, ends in zip(live, stop.stop_batch(steps, len(proposals))):
+                if ends:
+                    keep[r] = j + 1
+        return keep
