@@ -109,7 +109,7 @@ def build_worker(
             check_checkpoint(model_path, where)
         try:
             return HFWorker(model_path, level.dtype, device or level.device, level.trust_remote_code,
-                            gguf_file=level.gguf_file)
+                            gguf_file=level.gguf_file, packed_weights=level.packed_weights)
         except (OSError, SafetensorError) as exc:
             raise TopologyError(f"{where}: cannot load: {exc}") from None
     if level.kind == "ngram":

@@ -62,6 +62,10 @@ class LevelSpec(BaseModel):
     )
     device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto, cpu or cuda:N.")
     trust_remote_code: bool = Field(False, description="Allow the model repo's own code (hf only).")
+    packed_weights: bool = Field(
+        True, description="float32 on a CPU: score passes of several positions (verification, batches) "
+        "through oneDNN from a prepacked copy of the large weights — faster, for that much memory "
+        "once more; false saves the memory (hf only).")
     resources: Resources = Field(default_factory=Resources, description="Ray resources for this level.")
     sampling: SamplingOverride | None = Field(None, description="Draft-only sampling overrides.")
     params: dict[str, Any] = Field(
@@ -83,6 +87,8 @@ class LevelSpec(BaseModel):
             raise ValueError("an 'ngram' level takes no 'model'")
         if self.gguf_file is not None and self.kind != "hf":
             raise ValueError("'gguf_file' is for 'hf' levels")
+        if "packed_weights" in self.model_fields_set and self.kind != "hf":
+            raise ValueError("'packed_weights' is for 'hf' levels")
         if self.kind == "head":
             if not self.model:
                 raise ValueError("a 'head' level needs a 'model' (the folder of the head)")

@@ -107,6 +107,48 @@ def test_lean_and_transformers_forward_agree_on_the_bundled_family(family):
                 assert torch.equal(x, y)  # the same ops on the same tensors: bit for bit
 
 
+def test_several_row_passes_through_prepacked_weights_keep_float32_products():
+    """Where oneDNN is there (float32, CPU), a large weight gets a prepacked copy for passes of
+    several rows: the same product up to float32 rounding, every row as if alone; one row keeps
+    F.linear to the bit. The packed lean worker scores like the unpacked one through rollbacks."""
+    import torch.nn.functional as F
+
+    from workers.lean import PACK_MIN_ELEMENTS, _linear_op, _packable
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(576, 1024, bias=True)  # 589,824 elements: packed
+    assert module.weight.numel() >= PACK_MIN_ELEMENTS
+    product = _linear_op(module, pack=True)
+    for rows in (1, 2, 3, 4, 8, 17):
+        x = torch.randn(1, rows, 576)
+        with torch.inference_mode():
+            got, want = product(x), F.linear(x, module.weight, module.bias)
+        assert got.shape == want.shape
+        if rows == 1:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    small = torch.nn.Linear(64, 64)
+    x = torch.randn(4, 64)
+    assert torch.equal(_linear_op(small, pack=True)(x), F.linear(x, small.weight, small.bias))  # not packed
+
+    model = llama(hidden_size=256, intermediate_size=2304, vocab_size=97).to(torch.float32)
+    assert _packable(model) and not _packable(model.to(torch.float64))
+    model.to(torch.float32)
+    packed, plain = HFWorker.from_model(model), HFWorker.from_model(model)
+    plain.lean = lean_forward(model, pack=False)
+    rng = random.Random(2)
+    seqs = [[rng.randrange(97) for _ in range(n)] for n in (5, 17, 9)]
+    for step in range(5):
+        for t in seqs:
+            if step % 2:
+                del t[-1]  # a rejected token rolls back
+            t.extend(rng.randrange(97) for _ in range(1 + step % 4))
+        nums = [1 + step % 4, 1, 2]
+        for a, b in zip(packed.score(["x", "y", "z"], seqs, nums), plain.score(["x", "y", "z"], seqs, nums)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_models_it_does_not_know_exactly_keep_the_transformers_forward():
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 

@@ -104,6 +104,17 @@ def test_ngram_cannot_verify(tmp_path):
     expect_error(tmp_path, data, "levels[1] (ng)", "only propose")
 
 
+def test_packed_weights_is_for_hf_levels_and_reaches_the_worker(tmp_path, family):
+    data = {"levels": [{"name": "ng", "kind": "ngram", "packed_weights": False}, table_level("a")]}
+    expect_error(tmp_path, data, "levels[0]", "'packed_weights' is for 'hf' levels")
+    from cascade.build import build_worker  # noqa: PLC0415 - the loader a backend calls
+
+    topo = load_topology(write_topology(tmp_path / "f.yaml", family_topology(family, ["tiny", "large"])))
+    level = topo.spec.levels[1].model_copy(update={"packed_weights": False})
+    assert build_worker(level, topo.model_path(level), 1, topo.source)._pack is False
+    assert build_worker(topo.spec.levels[1], topo.model_path(level), 1, topo.source)._pack is None  # where it pays
+
+
 def test_authority_sampling_override_is_rejected(tmp_path):
     data = {"levels": [table_level("a"), table_level("b", sampling={"temperature": 0.5})]}
     expect_error(tmp_path, data, "levels[1].sampling", "drafts only")

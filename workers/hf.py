@@ -47,6 +47,7 @@ class HFWorker(Worker):
         trust_remote_code: bool = False,
         lean: bool = True,
         gguf_file: str | None = None,
+        packed_weights: bool = True,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -61,9 +62,9 @@ class HFWorker(Worker):
             **source,
         ).to(self.device)
         self.model.eval()
-        self._setup(lean, DraftVocab.load(model) if not gguf_file else None)
+        self._setup(lean, DraftVocab.load(model) if not gguf_file else None, packed_weights)
 
-    def _setup(self, lean: bool, draft_vocab: DraftVocab | None = None) -> None:
+    def _setup(self, lean: bool, draft_vocab: DraftVocab | None = None, packed_weights: bool = True) -> None:
         # A trimmed drafter (workers.draft_vocab) is fed draft ids and answers authority-width rows.
         self.draft_vocab = draft_vocab
         rows = int(self.model.get_output_embeddings().weight.shape[0])
@@ -75,18 +76,20 @@ class HFWorker(Worker):
         self._caches: dict[str, _SeqCache] = {}
         self._pool: Pool | bool | None = None  # None: not decided yet; False: per-sequence caches
         # transformers' forward minus its per-call plumbing, where the model is one it knows
-        self.lean = lean_forward(self.model) if lean else None
+        # (packed_weights: several-row passes from prepacked weights where that is float32 on a CPU)
+        self._pack = None if packed_weights else False
+        self.lean = lean_forward(self.model, pack=self._pack) if lean else None
         self._trees: str | None | bool = False  # how trees are masked (see _tree_support); False: not decided
         self._features: FeatureStore | None = None  # the last hidden states, kept once a head reads them
 
     @classmethod
     def from_model(cls, model, device: str | None = None, lean: bool = True,
-                   draft_vocab: DraftVocab | None = None) -> "HFWorker":
+                   draft_vocab: DraftVocab | None = None, packed_weights: bool = True) -> "HFWorker":
         """Wrap an already-loaded model (tests, notebooks)."""
         self = cls.__new__(cls)
         self.device = resolve_device(device) if device else next(model.parameters()).device
         self.model = model.to(self.device).eval()
-        self._setup(lean, draft_vocab)
+        self._setup(lean, draft_vocab, packed_weights)
         return self
 
     def keep_features(self) -> None:
@@ -100,7 +103,7 @@ class HFWorker(Worker):
                              "trimmed drafter (draft_vocab.json)")
         store = self._features = FeatureStore(int(self.model.get_output_embeddings().weight.shape[1]))
         if self.lean is not None:  # before the hook below, which the lean forward would refuse
-            self.lean = lean_forward(self.model, capture=store.capture)
+            self.lean = lean_forward(self.model, capture=store.capture, pack=self._pack)
         # transformers' forward (no lean one, and the per-sequence fallback's batched passes): the
         # base model's output is the final norm's, at every position
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model

@@ -39,7 +39,8 @@ ARCHITECTURES = {
 }
 
 
-def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None) -> Forward | None:
+def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, pack: bool | None = None
+                 ) -> Forward | None:
     """``forward(input_ids, position_ids, layers, valid, keep) -> logits`` for ``model``, or None.
 
     * ``input_ids``, ``position_ids``: ``[rows, width]`` — the pass's new tokens and their positions;
@@ -54,11 +55,17 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None) -
 
     ``capture``: called with the final hidden states of every position ``[rows, width, hidden]``
     (the LM head's inputs) on each pass, for a feature head (:mod:`workers.features`).
+
+    ``pack``: score passes of several rows with oneDNN over prepacked copies of the large
+    weights (:func:`_linear_op`); None: where that is float32 on a CPU with oneDNN.
     """
     arch = _supported(model)
     if arch is None:
         return None
     repeat_kv, rotate_half = arch.repeat_kv, arch.rotate_half
+    if pack is None:
+        pack = _packable(model)
+    linear = lambda module: _linear_op(module, pack)  # noqa: E731
     inner = model.model
     decoder = list(inner.layers[: model.config.num_hidden_layers])
     attn = decoder[0].self_attn
@@ -66,12 +73,20 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None) -
     # Each layer's tensors, fetched once (a module call and its attribute lookups cost more than
     # a small model's matrix product); the ops below are the modules' own, in their order.
     weights = [(
-        _norm(layer.input_layernorm), _linear(layer.self_attn.q_proj), _linear(layer.self_attn.k_proj),
-        _linear(layer.self_attn.v_proj), _linear(layer.self_attn.o_proj), _norm(layer.post_attention_layernorm),
-        _linear(layer.mlp.gate_proj), _linear(layer.mlp.up_proj), _linear(layer.mlp.down_proj), layer.mlp.act_fn,
+        _norm(layer.input_layernorm), linear(layer.self_attn.q_proj), linear(layer.self_attn.k_proj),
+        linear(layer.self_attn.v_proj), linear(layer.self_attn.o_proj), _norm(layer.post_attention_layernorm),
+        linear(layer.mlp.gate_proj), linear(layer.mlp.up_proj), linear(layer.mlp.down_proj), layer.mlp.act_fn,
         tuple(_norm(m) for m in _head_norms(layer.self_attn)) or None,
     ) for layer in decoder]
     final_norm = _norm(inner.norm)
+    head_module, head_product = model.lm_head, linear(model.lm_head)
+
+    def lm_head(hidden: torch.Tensor) -> torch.Tensor:
+        # A hook put on the LM head after this forward was built (a pass counter) still sees
+        # every pass: the module is called then, as transformers' forward would.
+        if head_module._forward_hooks or head_module._forward_pre_hooks:
+            return head_module(hidden)
+        return head_product(hidden)
 
     def forward(input_ids, position_ids, layers: Sequence, valid, keep: int, among=None) -> torch.Tensor:
         rows, width = input_ids.shape
@@ -81,27 +96,27 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None) -
         mask = attention_mask(valid, width, layers[0].get_seq_length() + width, hidden.device, among)
         for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act, head_norms), cache in zip(weights, layers):
             x = _rms(hidden, *norm1)
-            q = F.linear(x, *wq).view(rows, width, -1, head_dim)
-            k = F.linear(x, *wk).view(rows, width, -1, head_dim)
+            q = wq(x).view(rows, width, -1, head_dim)
+            k = wk(x).view(rows, width, -1, head_dim)
             if head_norms is not None:  # Qwen3: each head's query and key normalised
                 q, k = _rms(q, *head_norms[0]), _rms(k, *head_norms[1])
             q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = F.linear(x, *wv).view(rows, width, -1, head_dim).transpose(1, 2)
+            v = wv(x).view(rows, width, -1, head_dim).transpose(1, 2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             keys, values = cache.update(k, v)
             if groups > 1:
                 keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-            hidden = hidden + F.linear(out.transpose(1, 2).reshape(rows, width, -1), *wo)
+            hidden = hidden + wo(out.transpose(1, 2).reshape(rows, width, -1))
             x = _rms(hidden, *norm2)
-            hidden = hidden + F.linear(act(F.linear(x, *gate)) * F.linear(x, *up), *down)
+            hidden = hidden + down(act(gate(x)) * up(x))
         if capture is not None:  # every position's features, for a feature head
             hidden = _rms(hidden, *final_norm)
             capture(hidden)
-            return model.lm_head(hidden[:, width - keep:].contiguous())
+            return lm_head(hidden[:, width - keep:].contiguous())
         hidden = _rms(hidden[:, width - keep:], *final_norm)
-        return model.lm_head(hidden)
+        return lm_head(hidden)
 
     return forward
 
@@ -127,8 +142,47 @@ def attention_mask(valid, width: int, columns: int, device, among=None):
     return (valid[:, None, :columns] & causal[None])[:, None]
 
 
-def _linear(module) -> tuple:
-    return module.weight, module.bias
+# Weights of at least this many elements are worth a oneDNN call for a pass of several rows
+# (one thread, AVX2 EPYC, float32, microseconds for 2 / 4 rows: 1536x576 158/249 with F.linear
+# against 106/178; 8192x256 583/1613 against 259/464 — MKL's kernel for a few rows is poor); a
+# smaller one is not (576x576: even at best), and oneDNN's ~25 us a call loses on tiny ones.
+PACK_MIN_ELEMENTS = 1 << 19
+
+
+def _linear_op(module, pack: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``module``'s product as a function. With ``pack``, a weight of at least
+    :data:`PACK_MIN_ELEMENTS` gets a copy in oneDNN's blocked layout (memory: that weight once
+    more) used for inputs of several rows; a single row (decoding one token, drafting) keeps
+    F.linear, which is faster there and keeps those passes' numerics as they were. Either way the
+    product is float32's, rounded in another order (~1e-5 of a logit: cascade/DESIGN.md §2)."""
+    weight, bias = module.weight, module.bias
+    if not pack or weight.numel() < PACK_MIN_ELEMENTS:
+        return lambda x: F.linear(x, weight, bias)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1]:
+            return F.linear(x, weight, bias)
+        flat = x.reshape(-1, x.shape[-1])
+        return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "").view(*x.shape[:-1], -1)
+
+    return product
+
+
+def _packable(model) -> bool:
+    """Whether oneDNN can score ``model``'s several-row passes from prepacked float32 weights
+    here, as checked on one of its own matrices against F.linear."""
+    weight = model.lm_head.weight
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        rows = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        probe = weight[:256].detach()
+        ours = torch.ops.mkldnn._linear_pointwise(rows, torch.ops.mkldnn._reorder_linear_weight(probe),
+                                                  None, "none", [], "")
+        return bool(torch.allclose(ours, F.linear(rows, probe), rtol=1e-4, atol=1e-4))
+    except (AttributeError, RuntimeError):  # an older torch, or a build without these ops
+        return False
 
 
 def _norm(module) -> tuple:

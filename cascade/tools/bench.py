@@ -76,18 +76,28 @@ def _median_ci(values: list[float], resamples: int = 5000, seed: int = 0) -> tup
 
 
 class _PassCounter:
-    """Counts forward passes of a model through a hook on its LM head, which every pass calls once
-    (transformers' own loops and the workers' lean forward alike)."""
+    """Counts forward passes of a model by a hook on its LM head, which every pass calls once,
+    while attached: around transformers' own runs (plain ``generate`` and its assisted modes).
+    cascade's runs report their authority's passes in their stats, and run without the hook: with
+    one, the workers' lean forward calls the LM head module instead of its prepacked product
+    (workers/lean.py), which would time another kernel than the one served."""
 
     def __init__(self, model):
         self.count = 0
-        self.handle = model.get_output_embeddings().register_forward_hook(self._hook)
+        self.model = model
+        self.handle = None
+
+    def attach(self) -> None:
+        if self.handle is None:
+            self.handle = self.model.get_output_embeddings().register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
         self.count += 1
 
     def close(self):
-        self.handle.remove()
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
 def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool = True,
@@ -383,9 +393,14 @@ def _timed_runs(configs: list[Config], samplings: list, ids: list[list[int]], ma
             rng.shuffle(order)
             for sampling, c in order:
                 before = counter.count
-                tokens, seconds, stats = c.run(ids[i], max_new_tokens, sampling, seed + 1000 * r + i)
-                samples.append(Sample(c.name, mode_label(sampling), i, r, len(tokens), seconds,
-                                      counter.count - before, tokens, stats))
+                if c.kind != "cascade":  # transformers' own loop
+                    counter.attach()
+                try:
+                    tokens, seconds, stats = c.run(ids[i], max_new_tokens, sampling, seed + 1000 * r + i)
+                finally:
+                    counter.close()
+                passes = stats.authority_passes if stats is not None else counter.count - before
+                samples.append(Sample(c.name, mode_label(sampling), i, r, len(tokens), seconds, passes, tokens, stats))
                 bar.update()
         bar.close()
     finally:
