@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cascade.tools.exactness import NEAR_TIE_LOGITS, greedy_divergence
+from cascade.tools.exactness import FLOAT32_NEAR_TIE_LOGITS, NEAR_TIE_LOGITS, greedy_divergence
 from conftest import make_llama
 
 
@@ -35,9 +35,19 @@ def test_the_gap_is_the_logit_difference_of_the_two_tokens_after_the_shared_pref
         assert d.gap == pytest.approx(float(logits[order[0]] - logits[other]), abs=1e-4)
         low = model.dtype == torch.bfloat16
         assert d.low_precision == low
-        assert d.near_tie == (low and d.gap <= NEAR_TIE_LOGITS)  # never in float32
+        assert d.near_tie == (d.gap <= (NEAR_TIE_LOGITS if low else FLOAT32_NEAR_TIE_LOGITS))
     assert not greedy_divergence(model, prompt, shared + [order[-1]], shared + [order[0]]).near_tie or \
         float(logits[order[0]] - logits[order[-1]]) <= NEAR_TIE_LOGITS
+
+
+def test_float32_allows_only_its_own_rounding():
+    """float32 logits move with a pass's width by ~5e-5 of a logit; a gap of a thousandth is
+    rounding, a hundredth is not, and float64 allows nothing."""
+    from cascade.tools.exactness import Divergence
+
+    assert Divergence(0, 1, 2, 5e-4, False, True).near_tie
+    assert not Divergence(0, 1, 2, 1e-2, False, True).near_tie
+    assert not Divergence(0, 1, 2, 1e-12, False, False).near_tie
 
 
 def test_an_early_end_counts_as_the_stop_token(model):

@@ -141,8 +141,8 @@ def run(args) -> int:
         gaps = ", ".join(f"{greedy.divergences[i].gap:.2f}" for i in sorted(greedy.mismatches))
         print(f"\n{len(prompts) - len(greedy.mismatches)} of {len(prompts)} outputs identical to plain greedy decoding"
               f"{repeats}; {len(greedy.mismatches)} first differ at a near-tie (logit gaps {gaps}), which the "
-              f"authority's low-precision arithmetic rounds differently when a pass scores several positions "
-              f"(cascade/DESIGN.md §2, Numerics); a float32 authority is bit-identical")
+              f"authority's arithmetic rounds differently when a pass scores several positions "
+              f"(cascade/DESIGN.md §2, Numerics); in float32 such ties are ~5e-5 of a logit and rare")
     else:
         print(f"\nall {len(prompts)} outputs identical to plain greedy decoding{repeats}")
     if len(modes) > 1:

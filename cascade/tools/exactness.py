@@ -162,11 +162,14 @@ def uncertain_prefix(model, prompts_ids: Sequence[Sequence[int]], sampling, shor
 
 # -- greedy identity and low-precision arithmetic (cascade/DESIGN.md §2, "Numerics") ---------------
 
-# A bf16 or float16 model's logits depend, by rounding, on how many positions a pass scores: on
-# the development CPU up to 0.25-0.75 of a logit for SmolLM2-135M-Instruct (docs/real-model.md).
-# A greedy divergence whose two tokens are this close is a near-tie that rounding can flip; a
-# wrong acceptance rule shows as a divergence far outside it.
+# A model's logits depend, by rounding, on how many positions a pass scores (matrix kernels block
+# by the number of rows): in bf16 or float16 on the development CPU up to 0.25-0.75 of a logit
+# for SmolLM2-135M-Instruct (docs/real-model.md), in float32 about 5e-5 of a logit (the same
+# model, 4 positions against 4 single passes, AVX2 EPYC, 2026-12-03). A greedy divergence whose
+# two tokens are this close is a near-tie that rounding can flip; a wrong acceptance rule shows
+# as a divergence far outside it.
 NEAR_TIE_LOGITS = 1.0
+FLOAT32_NEAR_TIE_LOGITS = 1e-3  # 20x the measured float32 rounding; float64 gets none
 
 
 @dataclass(frozen=True)
@@ -178,14 +181,19 @@ class Divergence:
     theirs: int
     gap: float  # |logit(ours) - logit(theirs)|
     low_precision: bool  # the model computes in bf16 or float16
+    float32: bool = False  # the model computes in float32
 
     @property
     def near_tie(self) -> bool:
-        """Within what low-precision rounding can flip; never for a float32 or float64 model."""
-        return self.low_precision and self.gap <= NEAR_TIE_LOGITS
+        """Within what the model's rounding can flip: a logit in bf16 or float16, a thousandth
+        of one in float32, nothing in float64."""
+        if self.low_precision:
+            return self.gap <= NEAR_TIE_LOGITS
+        return self.float32 and self.gap <= FLOAT32_NEAR_TIE_LOGITS
 
     def describe(self) -> str:
-        kind = "a near-tie (bf16/fp16 rounding)" if self.near_tie else "NOT a near-tie"
+        kind = f"a near-tie ({'bf16/fp16' if self.low_precision else 'float32'} rounding)" if self.near_tie \
+            else "NOT a near-tie"
         return (f"first differs at generated token {self.position} ({self.ours} against plain decoding's "
                 f"{self.theirs}; logit gap {self.gap:.3f}: {kind})")
 
@@ -205,10 +213,10 @@ def greedy_divergence(model, prompt_ids: Sequence[int], ours: Sequence[int], the
     a = ours[k] if k < len(ours) else eos
     b = theirs[k] if k < len(theirs) else eos
     param = next(model.parameters())
-    low = param.dtype in (torch.bfloat16, torch.float16)
+    low, single = param.dtype in (torch.bfloat16, torch.float16), param.dtype == torch.float32
     if a is None or b is None:  # one stopped where the other did not, and the stop token is unknown
-        return Divergence(k, -1 if a is None else a, -1 if b is None else b, float("inf"), low)
+        return Divergence(k, -1 if a is None else a, -1 if b is None else b, float("inf"), low, single)
     with torch.inference_mode():
         ids = torch.tensor([list(prompt_ids) + theirs[:k]], device=param.device)
         logits = model(ids).logits[0, -1].float()
-    return Divergence(k, a, b, abs(float(logits[a] - logits[b])), low)
+    return Divergence(k, a, b, abs(float(logits[a] - logits[b])), low, single)
