@@ -14,7 +14,10 @@ kernel — without that plumbing: the attention mask is built once per pass from
 ``[rows, columns]`` validity mask, and each layer's keys/values go straight into the worker's
 cache layer. ``tests/test_lean.py`` checks that its logits equal transformers' on random models in
 float64 (each architecture; grouped-query and multi-query attention, scaled RoPE, biases, Qwen3's
-per-head query/key norms) and on the bundled family in float32 (where they agree bit for bit). A
+per-head query/key norms) and on the bundled family in float32 (where they agree bit for bit).
+In float32 on a CPU, passes of several rows multiply the large weights through oneDNN from
+copies prepacked when the forward is built (:func:`_linear_op`: the same products, rounded in
+another order; a copy does not follow later changes to the model's weights). A
 model it does not recognise exactly (another architecture, a subclass, an attention
 implementation other than SDPA, a sliding attention window, hooks on its modules, which it
 would skip) gets ``None`` and keeps transformers' own forward.
