@@ -522,6 +522,13 @@ def test_a_killed_actor_rebuilds_its_head(head_cascades, head_topo, tokenizer):
     for step, _ in enumerate(remote.engine.run(state)):
         if step == 1:
             ray.kill(remote.backend.actors["auth"], no_restart=False)
+            # ray.kill takes effect asynchronously: had the next step's first call (the hand-off)
+            # still reached the old actor and only its draft the fresh one, the fresh head would
+            # draft from its own predicted features for one step (exact, but not what is tested).
+            deadline = time.monotonic() + 60
+            while remote.backend.info()["auth"]["pid"] == before:
+                assert time.monotonic() < deadline, "the killed actor did not restart within 60 s"
+                time.sleep(0.05)
         if step == 2:  # the fresh head's entries: real features of the prompt and on, from the source
             held = ray.get(remote.backend.actors["auth"].__ray_call__.remote(
                 lambda self, seq: self.workers["head"].entries(seq), state.seq_id))
