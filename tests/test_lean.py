@@ -4,6 +4,7 @@ biases) and on the other architectures it supports (Mistral, Qwen2, Qwen3), and 
 for any model it does not know exactly."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -109,8 +110,9 @@ def test_lean_and_transformers_forward_agree_on_the_bundled_family(family):
 
 def test_several_row_passes_through_prepacked_weights_keep_float32_products():
     """Where oneDNN is there (float32, CPU), a large weight gets a prepacked copy for passes of
-    several rows: the same product up to float32 rounding, every row as if alone; one row keeps
-    F.linear to the bit. The packed lean worker scores like the unpacked one through rollbacks."""
+    several rows and is itself stored column-major (same values) for passes of one row: the
+    same product up to float32 rounding, every row as if alone. The packed lean worker scores
+    like the unpacked one through rollbacks."""
     import torch.nn.functional as F
 
     from workers.lean import PACK_MIN_ELEMENTS, _linear_op, _packable
@@ -118,16 +120,18 @@ def test_several_row_passes_through_prepacked_weights_keep_float32_products():
     torch.manual_seed(0)
     module = torch.nn.Linear(576, 1024, bias=True)  # 589,824 elements: packed
     assert module.weight.numel() >= PACK_MIN_ELEMENTS
+    before = module.weight.detach().clone()
     product = _linear_op(module, pack=True)
+    assert module.weight.stride() == (1, 1024) and torch.equal(module.weight, before)  # column-major, same values
+    assert isinstance(module.weight, torch.nn.Parameter)
     for rows in (1, 2, 3, 4, 8, 17):
         x = torch.randn(1, rows, 576)
         with torch.inference_mode():
-            got, want = product(x), F.linear(x, module.weight, module.bias)
+            got, want = product(x), F.linear(x, before, module.bias)
         assert got.shape == want.shape
-        if rows == 1:
-            assert torch.equal(got, want)
-        else:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _linear_op(module, pack=True)
+    assert module.weight.stride() == (1, 1024)  # built again (a forward with a capture): left as it is
     small = torch.nn.Linear(64, 64)
     x = torch.randn(4, 64)
     assert torch.equal(_linear_op(small, pack=True)(x), F.linear(x, small.weight, small.bias))  # not packed
@@ -147,6 +151,29 @@ def test_several_row_passes_through_prepacked_weights_keep_float32_products():
         nums = [1 + step % 4, 1, 2]
         for a, b in zip(packed.score(["x", "y", "z"], seqs, nums), plain.score(["x", "y", "z"], seqs, nums)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_baselines_run_the_model_as_transformers_loaded_it():
+    """A worker's lean forward stores the large weights column-major; transformers' own runs of
+    that model in the bench, the batch bench and the demo (``as_loaded``) get a row-major copy
+    — same values, tied weights still tied, made once — and the same logits as a fresh load;
+    a model left as loaded is its own."""
+    from cascade.tools.baselines import as_loaded
+
+    torch.manual_seed(3)
+    model = llama(hidden_size=256, intermediate_size=2304, vocab_size=97, tie_word_embeddings=True).to(torch.float32)
+    assert as_loaded(model) is model
+    fresh = copy.deepcopy(model)
+    HFWorker.from_model(model)
+    assert model.model.layers[0].mlp.up_proj.weight.stride() == (1, 2304)  # 589,824 elements: column-major
+    loaded = as_loaded(model)
+    assert loaded is not model and as_loaded(model) is loaded
+    assert all(p.is_contiguous() for p in loaded.parameters())
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert "_cascade_as_loaded" not in "".join(model.state_dict())
+    ids = torch.tensor([[5, 9, 2, 44, 7]])
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids).logits, fresh(ids).logits)
 
 
 def test_models_it_does_not_know_exactly_keep_the_transformers_forward():

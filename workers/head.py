@@ -46,6 +46,7 @@ from torch import nn
 
 from workers.base import Worker, common_prefix
 from workers.draft_vocab import DraftVocab
+from workers.lean import linear_product, packable
 
 CONFIG = "head_config.json"
 WEIGHTS = "model.safetensors"
@@ -272,6 +273,9 @@ class HeadWorker(Worker):
         self._ids = draft_vocab.ids.to(self.device) if draft_vocab is not None else None
         if head.lm_head is None and draft_vocab is not None:  # the source's LM head restricted to the draft vocabulary
             self._trimmed = lm_head.weight.detach()[self._ids].clone()
+            # one row (drafting for one sequence) from a column-major copy, several from a
+            # prepacked one, as the lean forward multiplies its source's (workers/lean.py)
+            self._trimmed_product = linear_product(self._trimmed, None, packable(self._trimmed))
         else:
             self._trimmed = None
         self.context_length = config.max_position_embeddings
@@ -441,7 +445,7 @@ class HeadWorker(Worker):
         if self.head.lm_head is not None:
             logits = self.head.lm_head(hidden)
         elif self._trimmed is not None:
-            logits = torch.nn.functional.linear(hidden, self._trimmed)
+            logits = self._trimmed_product(hidden)
         else:
             logits = self.lm_head(hidden)
         if self._ids is not None:

@@ -10,6 +10,25 @@ import torch
 from cascade.errors import RequestError
 
 
+def as_loaded(model):
+    """``model`` as transformers loaded it, for the baselines that run transformers' own forward
+    on a level's model: the model itself, or — where the lean forward stored large weights
+    column-major for its one-row passes (:func:`workers.lean.column_major`), which would also
+    change what transformers' kernels cost — a copy with every parameter row-major again, made
+    once per model (memory: the model once more) and kept beside it. Values are the same."""
+    if all(p.is_contiguous() for p in model.parameters()):
+        return model
+    copy = getattr(model, "_cascade_as_loaded", None)
+    if copy is None:
+        import copy as copying
+
+        copy = copying.deepcopy(model)  # tied parameters stay tied
+        for p in copy.parameters():
+            p.data = p.data.contiguous()
+        object.__setattr__(model, "_cascade_as_loaded", copy)  # not a submodule: not in its state
+    return copy
+
+
 def plain_generate(model, prompt_ids: list[int], max_new_tokens: int, sampling=None,
                    seed: int | None = None) -> tuple[list[int], float]:
     """Decoding of ``model`` alone with transformers' own ``generate``: greedy, or sampled with

@@ -104,6 +104,8 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
                   trees: tuple[tuple[int, ...], ...] = ()) -> list[Config]:
     """The configurations of the module docstring, for this topology's levels; with ``trees``
     (widths per depth), a tree row for every model edge into the authority and shape too."""
+    from cascade.tools.baselines import as_loaded
+
     authority = topo.authority
     hf_drafts = [lv.name for lv in topo.spec.levels if lv.kind == "hf" and lv.name != authority]
     ngram = next((lv.name for lv in topo.spec.levels if lv.kind == "ngram"), None)
@@ -111,7 +113,7 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
     configs = [make.plain(), make.cascade("cascade:authority", (authority,), "fixed")]
     if assisted:
         for d in hf_drafts:
-            configs.append(make.hf(f"hf-assisted:{d}", (d, authority), assistant_model=workers[d].model))
+            configs.append(make.hf(f"hf-assisted:{d}", (d, authority), assistant_model=as_loaded(workers[d].model)))
         configs.append(make.hf("hf-prompt-lookup", (authority,), prompt_lookup_num_tokens=prompt_lookup))
     # a speculative row for every edge into the authority, whatever the proposer's kind
     into = set(topo.graph.predecessors(authority))
@@ -157,8 +159,10 @@ class _ConfigBuilder:
     configurations on that path: each run passes its own policy)."""
 
     def __init__(self, topo, workers, tokenizer):
+        from cascade.tools.baselines import as_loaded
+
         self.topo, self.workers, self.tokenizer = topo, workers, tokenizer
-        self.auth_model = workers[topo.authority].model
+        self.auth_model = as_loaded(workers[topo.authority].model)  # transformers' rows: as it loads it
         policy = topo.spec.policy
         self.lookahead = policy.params.get("lookahead", {}) if policy.name == "fixed" else {}
         self.cascades: dict[tuple, Any] = {}  # (path, edges or None) -> cascade.api.Cascade
@@ -302,6 +306,7 @@ def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repe
 def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, only, progress, seed, samplings,
                exactness_draws, exactness_tokens, threads, trees=()) -> tuple[list[ConfigReport], list[Sample]]:
     from cascade.sampling import Sampling
+    from cascade.tools.baselines import as_loaded
 
     samplings = samplings or [Sampling()]
     topo, workers, tokenizer = _load(topology)
@@ -311,13 +316,14 @@ def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, o
     ids = [tokenizer.encode(p) for p in prompts]
     checks: dict[tuple[str, str], DistributionCheck] = {}
     try:
+        reference = as_loaded(workers[topo.authority].model)  # the one transformers' rows run
         samples = _timed_runs(configs, samplings, ids, max_new_tokens, repeats, seed, progress,
-                              _PassCounter(workers[topo.authority].model))
-        divergences = _greedy_divergences(samples, ids, workers[topo.authority].model, tokenizer.eos_token_id)
+                              _PassCounter(reference))
+        divergences = _greedy_divergences(samples, ids, reference, tokenizer.eos_token_id)
         if exactness_draws:
             for sampling in samplings:
                 if not sampling.greedy:
-                    checks.update(_check_distributions(configs, sampling, ids, workers[topo.authority].model,
+                    checks.update(_check_distributions(configs, sampling, ids, reference,
                                                        tokenizer.eos_token_id, exactness_draws, exactness_tokens,
                                                        seed, progress))
     finally:

@@ -40,10 +40,10 @@ class _Servers:
         its batch's time (time waiting for a slot is not counted)."""
         import torch
 
-        from cascade.tools.baselines import generate_kwargs
+        from cascade.tools.baselines import as_loaded, generate_kwargs
 
         c = self.cascade
-        model, tok = c.workers[c.topology.authority].model, c.tokenizer
+        model, tok = as_loaded(c.workers[c.topology.authority].model), c.tokenizer
         eos = tok.eos_token_id
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
         tokens, seconds, latency, reps = 0, 0.0, 0.0, []
@@ -177,10 +177,10 @@ def _batch_distribution_check(c, policy, prompts: list[str], sampling, seed: int
     sampling of the authority, on the short prompt prefix whose next token is most uncertain."""
     import torch
 
-    from cascade.tools.baselines import generate_kwargs
+    from cascade.tools.baselines import as_loaded, generate_kwargs
     from cascade.tools.exactness import check_distribution, uncertain_prefix
 
-    model = c.workers[c.topology.authority].model
+    model = as_loaded(c.workers[c.topology.authority].model)
     ids = [c.tokenizer.encode(p) for p in prompts]
     prompt, length = uncertain_prefix(model, ids, sampling)
     prefix = ids[prompt][:length]

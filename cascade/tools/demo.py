@@ -97,7 +97,7 @@ def run(args) -> int:
     from cascade.api import Cascade
     from cascade.sampling import Sampling
     from cascade.stats import RequestStats
-    from cascade.tools.baselines import load_prompts, plain_generate
+    from cascade.tools.baselines import as_loaded, load_prompts, plain_generate
     from cascade.tools.bench_records import mode_label
 
     args.topology = args.topology or main_topology(lambda line: print(line, file=sys.stderr))
@@ -113,6 +113,7 @@ def run(args) -> int:
         if model is None:
             print("error: demo needs a transformers authority to compare against", file=sys.stderr)
             return 1
+        model = as_loaded(model)  # plain decoding as transformers runs it
         print(ABOUT_THE_REAL_MODEL if real else ABOUT_THE_MODELS)
         print(threads_line(threads))
         # Warm-up: first calls pay for allocation and lazy initialisation, and an adaptive
