@@ -64,8 +64,9 @@ class LevelSpec(BaseModel):
     trust_remote_code: bool = Field(False, description="Allow the model repo's own code (hf only).")
     packed_weights: bool = Field(
         True, description="float32 on a CPU: score passes of several positions (verification, batches) "
-        "through oneDNN from a prepacked copy of the large weights — faster, for that much memory "
-        "once more; false saves the memory (hf only).")
+        "through oneDNN from a prepacked copy of the large weights, and store those weights "
+        "column-major for one-position passes — faster, for that much memory once more; false "
+        "saves the memory and keeps transformers' layout (hf only).")
     resources: Resources = Field(default_factory=Resources, description="Ray resources for this level.")
     sampling: SamplingOverride | None = Field(None, description="Draft-only sampling overrides.")
     params: dict[str, Any] = Field(
