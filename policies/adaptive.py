@@ -62,6 +62,9 @@ class EscalationParams(CostParams):
     draft_margin: Unit = Field(0.1, description="A drafting path must be priced this much cheaper than none.")
     probe_backoff: Annotated[Int, Field(ge=1)] = Field(
         8, description="Probe interval grows up to this many times probe_every while the choice holds.")
+    lookup_carry: Annotated[Float, Field(ge=0.0, le=1e6)] = Field(
+        4.0, description="Observations' worth of prompt lookup's acceptance a new request starts from "
+        "(it depends on the request: does the answer repeat its prompt?).")
     trees: list[TreeShape] = Field(
         [], max_length=4, description="Tree shapes (widths per depth) priced beside the chain on every path whose "
         "first level can score: a step takes one where it is priced cheapest.")
@@ -236,8 +239,10 @@ class EscalationPolicy(CostAwarePolicy):
     texts, so estimates of paths measured at different times would not compare. A round that
     leaves the choice unchanged doubles the interval to the next, up to ``probe_backoff`` x
     ``probe_every`` (on the bundled 4-level topology a round is eight steps, most of them on
-    slower paths); a change of path brings it back to ``probe_every``. The current
-    path is kept unless another is priced ``switch_margin`` cheaper. A path that drafts is
+    slower paths); a change of path brings it back to ``probe_every``. At batch 1 a new
+    request probes the n-gram level's paths at once and starts from only ``lookup_carry``
+    observations of its acceptance (:meth:`_new_request`): whether prompt lookup pays is the
+    request's. The current path is kept unless another is priced ``switch_margin`` cheaper. A path that drafts is
     taken only if it is priced ``draft_margin`` cheaper than the authority decoding alone: a
     speculative step has costs the price leaves out (the engine's work per drafted token, the
     verifier scoring every row of a batch as wide as the longest block, cache holes left by
@@ -276,6 +281,10 @@ class EscalationPolicy(CostAwarePolicy):
         self._probing: tuple[tuple[str, ...], bool | None, int] | None = None
         self.probe_retries = 8
         self._retry = 0
+        self.lookup_carry = p.lookup_carry
+        self._last_step: int | None = None  # the step of the last plan: a drop means a new request
+        self._request_probes: set[tuple[str, ...]] = set()  # queued at a request's start, not a round's
+        self._probing_request = False  # whether the last probe was one of those
         self.contender_margin = 0.25
         self.estimates.pool_weight = p.pool_weight
         self.contexts = {True: Estimates(prior=p.prior, decay=p.decay, pool_weight=p.pool_weight),
@@ -331,6 +340,9 @@ class EscalationPolicy(CostAwarePolicy):
         """(path, lookahead up to ``max_lookahead``, kind, tree shape of the first edge or None):
         kind is "probe", "explore" or "exploit"."""
         candidates = self._candidates(ctx)
+        if self._last_step is not None and ctx.step < self._last_step and ctx.batch_size == 1:
+            self._new_request(candidates)
+        self._last_step = ctx.step
         priced = self._priced(("paths", ctx.available, ctx.batch_size, max_lookahead),
                               lambda estimates: self._price_paths(ctx, candidates, max_lookahead, estimates))
         self._plans += 1
@@ -345,6 +357,8 @@ class EscalationPolicy(CostAwarePolicy):
             self._probing = None
             if drafted is False and tries < self.probe_retries and probed in candidates:
                 self._probes.append(probed)
+                if self._probing_request:
+                    self._request_probes.add(probed)
                 self._retry = tries + 1
                 self._plans -= 1  # a retry does not use up the warm-up
         if not self._probes and (self._plans <= self.warmup * len(candidates) or self._since_probe >= self._interval):
@@ -353,7 +367,10 @@ class EscalationPolicy(CostAwarePolicy):
         if self._probes:
             path = self._probes.pop()
             self._probing, self._retry = (path, True if len(path) < 2 else None, self._retry), 0
-            if not self._probes:  # the round's last probe: price afresh with what the round taught
+            self._probing_request = path in self._request_probes
+            if self._probing_request:  # a request's own probe: no round to judge
+                self._request_probes.discard(path)
+            elif not self._probes:  # the round's last probe: price afresh with what the round taught
                 self._prices.clear()
                 self._judge_round = True
             shape = self._probe_shape(ctx, path)
@@ -383,6 +400,27 @@ class EscalationPolicy(CostAwarePolicy):
             self._interval = min(2 * self._interval, float(self.probe_every * self.probe_backoff))
         self._judge_round = False
         return path, priced[path][1], "exploit", priced[path][2]
+
+    def _new_request(self, candidates: list[tuple[str, ...]]) -> None:
+        """A new request (at batch 1) is a new text. Prompt lookup's acceptance belongs to the
+        request — it pays where the answer repeats its prompt, up to 9 of 10 tokens, and not at
+        all elsewhere — so its estimates keep their means but carry only ``lookup_carry``
+        observations' worth into the new request, and its paths are probed at once (a probe
+        that finds no match to propose is retried at no cost): the request's own blocks then
+        decide, instead of whichever requests the shared estimates last saw."""
+        kinds = self.estimates.kinds
+        lookup = [p for p in candidates if len(p) > 1 and kinds.get(p[0]) == "ngram"]
+        if not lookup:
+            return
+        for estimates in self.contexts.values():
+            for (proposer, _), edge in estimates.edges.items():
+                if kinds.get(proposer) == "ngram":
+                    edge.soften(self.lookup_carry)
+        self._prices.clear()
+        for path in lookup:
+            if path not in self._probes:
+                self._probes.append(path)
+                self._request_probes.add(path)
 
     def _priced(self, key: tuple, price):
         """``price(estimates)``, reused for ``reprice_every`` plans: the estimates move a little
@@ -416,6 +454,8 @@ class EscalationPolicy(CostAwarePolicy):
         if self._probing is not None and not self._probing[1] and feedback.plan.path == self._probing[0]:
             self._probing = (self._probing[0], any(e.proposed > 0 for e in feedback.edges), self._probing[2])
         self.contexts[self._context].observe(feedback)
+        if self._probing_request and any(e.proposed > 0 for e in feedback.edges):
+            self._prices.clear()  # the request's first measurement of prompt lookup: price with it
         if self.confident is not None and feedback.confidence is not None:
             self._context = feedback.confidence >= self.confident
 

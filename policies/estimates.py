@@ -40,6 +40,13 @@ class EdgeAcceptance:
             self.seen[j] += 1.0
             self.accepted[j] += 1.0 if j < accepted else 0.0
 
+    def soften(self, weight: float) -> None:
+        """Keep each position's estimated acceptance but at most ``weight`` observations of it."""
+        if self.seen and self.seen[0] > weight:
+            scale = weight / self.seen[0]
+            self.seen = [s * scale for s in self.seen]
+            self.accepted = [a * scale for a in self.accepted]
+
     def rate(self, j: int, prior: float | None = None, prior_weight: float | None = None) -> float:
         """Estimated acceptance at position j (later positions borrow the last one seen).
         ``prior``/``prior_weight`` replace the edge's own prior (e.g. a pooled rate)."""

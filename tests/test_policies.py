@@ -527,3 +527,42 @@ def test_tree_outcomes_teach_the_tree_estimates_not_the_chains():
     plan = StepPlan(("tiny", "large"), {"tiny": 3}, {}, {"tiny": (2, 2, 1)})
     est.observe(StepFeedback(plan, (EdgeOutcome("tiny", "large", 3, 2, None, 10, (1, 1)),), {}, {}, 3))
     assert est.tree("tiny", "large").hits == [[0, 1], [0, 1], [0]] and est.edge("tiny", "large").seen == []
+
+
+def test_a_new_request_measures_prompt_lookup_afresh():
+    """Prompt lookup's acceptance belongs to the request. After requests where it failed, a new
+    request (its step drops back) probes the n-gram path at once — retrying where there was no
+    match — and its estimate keeps its mean but only ``lookup_carry`` observations of it, so the
+    new request's own blocks win it back within a few steps; a drafter's estimate is untouched."""
+    graph = nx.DiGraph([("ngram", "large"), ("tiny", "large")])
+    graph.nodes["ngram"]["kind"] = "ngram"
+    policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9, lookup_carry=4.0), graph)
+    est = policy.estimates
+    for level, seconds in (("ngram", 0.0), ("tiny", 0.002), ("large", 0.010)):
+        for width in (1, 2, 3, 4, 5):
+            for _ in range(10):
+                est.costs.setdefault(level, LevelCost()).observe_pass(1 if seconds else 0, width, seconds, rows=1)
+    for _ in range(40):  # earlier requests: prompt lookup rejected, tiny so-so
+        est.observe(feedback(StepPlan(("ngram", "large"), {"ngram": 3}), [("ngram", "large", 3, 0)], {}, {}))
+        est.observe(feedback(StepPlan(("tiny", "large"), {"tiny": 3}), [("tiny", "large", 3, 1)], {}, {}))
+    lookup, tiny = est.edge("ngram", "large"), est.edge("tiny", "large")
+    tiny_before, mean_before = list(tiny.seen), lookup.accepted[0] / lookup.seen[0]
+
+    def plan(step, proposed=0, accepted=0):
+        path, lookahead, kind, _ = policy._choose(PlanContext(graph, "large", 100, step, frozenset(graph.nodes)), 8)
+        edges = [("ngram", "large", proposed, accepted)] if path[0] == "ngram" else []
+        policy.observe(feedback(StepPlan(path, lookahead), edges, {}, {}))
+        return path, kind
+
+    assert plan(50)[0] != ("ngram", "large") and plan(51)[0] != ("ngram", "large")  # the old request: not lookup
+    # a new request: probed at once; no match twice (retried), then a block accepted whole
+    assert plan(0) == (("ngram", "large"), "probe")
+    assert lookup.seen[0] == pytest.approx(4.0, rel=0.03)  # 4 observations' worth (decayed by the probe's empty block)
+    assert lookup.accepted[0] / lookup.seen[0] == pytest.approx(mean_before)
+    assert tiny.seen == tiny_before
+    assert plan(1) == (("ngram", "large"), "probe")
+    assert plan(2, 3, 3) == (("ngram", "large"), "probe")
+    steps = [plan(3 + i, 3, 3) for i in range(4)]
+    assert steps[-1] == (("ngram", "large"), "exploit")  # its own blocks decide now
+    # the same request carries on: no further probe of its own
+    assert all(kind == "exploit" for _, kind in steps[1:])
