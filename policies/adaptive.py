@@ -456,6 +456,7 @@ class EscalationPolicy(CostAwarePolicy):
         self.contexts[self._context].observe(feedback)
         if self._probing_request and any(e.proposed > 0 for e in feedback.edges):
             self._prices.clear()  # the request's first measurement of prompt lookup: price with it
+            self._probing_request = False
         if self.confident is not None and feedback.confidence is not None:
             self._context = feedback.confidence >= self.confident
 
