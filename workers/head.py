@@ -271,13 +271,12 @@ class HeadWorker(Worker):
         if head.lm_head is not None and head.lm_head.weight.shape[0] != want:
             raise ValueError(f"the head's own lm_head has {head.lm_head.weight.shape[0]} rows; expected {want}")
         self._ids = draft_vocab.ids.to(self.device) if draft_vocab is not None else None
+        self._trimmed_product = None
         if head.lm_head is None and draft_vocab is not None:  # the source's LM head restricted to the draft vocabulary
-            self._trimmed = lm_head.weight.detach()[self._ids].clone()
-            # one row (drafting for one sequence) from a column-major copy, several from a
-            # prepacked one, as the lean forward multiplies its source's (workers/lean.py)
-            self._trimmed_product = linear_product(self._trimmed, None, packable(self._trimmed))
-        else:
-            self._trimmed = None
+            trimmed = lm_head.weight.detach()[self._ids].clone()
+            # one row (drafting for one sequence) column-major, several from a prepacked copy,
+            # as the lean forward multiplies its source's (workers/lean.py)
+            self._trimmed_product = linear_product(trimmed, None, packable(trimmed))
         self.context_length = config.max_position_embeddings
         self._seqs: dict[str, _HeadSeq] = {}
 
@@ -444,7 +443,7 @@ class HeadWorker(Worker):
         predicted features ``[rows, hidden]``: ``-inf`` outside a draft vocabulary."""
         if self.head.lm_head is not None:
             logits = self.head.lm_head(hidden)
-        elif self._trimmed is not None:
+        elif self._trimmed_product is not None:
             logits = self._trimmed_product(hidden)
         else:
             logits = self.lm_head(hidden)
