@@ -127,3 +127,12 @@ def family_topology(root: Path, levels: list[str], ngram: bool = False, **extra)
     spec_levels = [{"name": "ngram", "kind": "ngram"}] if ngram else []
     spec_levels += [{"name": n, "model": str(root / n), "dtype": "float64", "device": "cpu"} for n in levels]
     return {"name": "test", "levels": spec_levels, **extra}
+
+
+@pytest.fixture
+def without_few_rows(monkeypatch):
+    """The lean forward's several-row and one-row products as where the few-row kernel is not
+    available (workers/few_rows.py): oneDNN from prepacked copies, column-major weights."""
+    from workers import few_rows
+
+    monkeypatch.setattr(few_rows, "_state", {"fn": None, "reason": "turned off by a test"})

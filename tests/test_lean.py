@@ -108,8 +108,8 @@ def test_lean_and_transformers_forward_agree_on_the_bundled_family(family):
                 assert torch.equal(x, y)  # the same ops on the same tensors: bit for bit
 
 
-def test_several_row_passes_through_prepacked_weights_keep_float32_products():
-    """Where oneDNN is there (float32, CPU), a large weight gets a prepacked copy for passes of
+def test_several_row_passes_through_prepacked_weights_keep_float32_products(without_few_rows):
+    """Without the few-row kernel, where oneDNN is there (float32, CPU), a large weight gets a prepacked copy for passes of
     several rows and is itself stored column-major (same values) for passes of one row: the
     same product up to float32 rounding, every row as if alone. The packed lean worker scores
     like the unpacked one through rollbacks."""
@@ -153,8 +153,8 @@ def test_several_row_passes_through_prepacked_weights_keep_float32_products():
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_baselines_run_the_model_as_transformers_loaded_it():
-    """A worker's lean forward stores the large weights column-major; transformers' own runs of
+def test_baselines_run_the_model_as_transformers_loaded_it(without_few_rows):
+    """Without the few-row kernel, a worker's lean forward stores the large weights column-major; transformers' own runs of
     that model in the bench, the batch bench and the demo (``as_loaded``) get a row-major copy
     — same values, tied weights still tied, made once — and the same logits as a fresh load;
     a model left as loaded is its own."""

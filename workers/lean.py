@@ -30,6 +30,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from workers import few_rows
+
 Forward = Callable[..., torch.Tensor]
 
 # model_type -> (transformers module, class-name prefix). These architectures share Llama's
@@ -166,6 +168,8 @@ def _linear_op(module, pack: bool) -> Callable[[torch.Tensor], torch.Tensor]:
 def linear_product(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """:func:`_linear_op` for a weight and bias (``x @ weight.T + bias``); a weight given to it
     with ``pack`` is stored column-major from then on."""
+    if pack and few_rows.enabled():
+        return few_rows.product(weight, bias) or (lambda x: F.linear(x, weight, bias))
     if not pack or weight.numel() < PACK_MIN_ELEMENTS:
         return lambda x: F.linear(x, weight, bias)
     column_major(weight)
@@ -201,7 +205,11 @@ def _packable(model) -> bool:
 def packable(weight: torch.Tensor) -> bool:
     """Whether oneDNN can multiply several rows by ``weight`` (float32, on a CPU) from a
     prepacked copy here, as checked on its first rows against F.linear."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return False
+    if few_rows.enabled():
+        return True
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
         rows = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))

@@ -1,0 +1,266 @@
+"""A float32 matrix product for passes of a few rows on a CPU: decoding one token, verifying a block.
+
+Decoding reads every weight of the model once per pass to multiply it by one row (one position);
+verifying a block of k drafted tokens reads them once to multiply by k + 1 rows. Both are bound
+by reading the weights, so on paper the block costs what one row costs — the premise of
+speculative decoding. MKL's and oneDNN's kernels do not get there for a few rows on an AVX2 CPU
+(one thread, AMD EPYC, float32, SmolLM2-135M's weights read once from memory, ms by rows:
+F.linear over row-major weights 63, 106 at 1 and 4 rows; MKL over column-major weights or oneDNN
+from a prepacked copy, whichever is faster, ~45 at 1, ~70 at 4, 95 at 8; this kernel 46, 60, 65 —
+docs/engine.md has the whole pass).
+
+This module compiles, once per machine, a small C kernel for it: the weight is copied into
+blocks of 16 output columns, each stored ``[in, 16]`` so that a block streams contiguously from
+memory, and the block is multiplied by up to 4 rows kept in registers (AVX2 fused multiply-add;
+a single row works on two blocks at once). Every output element is the same sequential sum over
+the input dimension, in the same order, whatever the number of rows and wherever a row sits in
+the pass: a row's product does not depend on the rows beside it, bit for bit (float32's
+products rounded in another order than MKL's: ~1e-6 relative; cascade/DESIGN.md §2).
+
+It is used where all of this holds, else the caller keeps torch's own products:
+
+* an x86-64 CPU with AVX2 and FMA, and a C compiler (``$CC``, else ``cc``) to build the kernel
+  into ``$CASCADE_CACHE/kernels`` (a few hundred milliseconds, once; a build or check that fails
+  logs why, once, and is not retried in the process);
+* the kernel's products match ``F.linear`` on a probe when it is loaded;
+* torch runs one intra-op thread (the kernel is single-threaded; with more threads MKL's
+  parallel products are used), and the pass has at most :data:`MAX_ROWS` rows (more rows: MKL's
+  blocked matrix product is faster);
+* ``CASCADE_FEW_ROWS`` is not ``0``.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+BLOCK = 16  # output columns per block: two 8-float AVX2 registers per row
+# More rows than this go to MKL. SmolLM2-135M's weights read once, one thread, AVX2 EPYC
+# (2026-12-03), ms by rows, this kernel / oneDNN prepacked / F.linear: 8: 65 / 95 / 108,
+# 16: 99 / 127 / 143, 32: 183 / 197 / 212; at 64 rows MKL's blocked product is ~2x faster.
+MAX_ROWS = 32
+# Weights smaller than this stay with F.linear: a call's fixed cost (~3 us) is not worth saving.
+MIN_ELEMENTS = 1 << 16
+
+_SOURCE = r"""
+#include <immintrin.h>
+#define BLOCK 16
+/* MM rows of x [rows, K] times NBB consecutive blocks of the blocked weight ([K, 16] each):
+   out[(b * MM + m) * 16 + j]. Every output is the same sequential fused multiply-add over k,
+   from zero, whatever MM and NBB. */
+#define TILE(MM, NBB) \
+static void tile_##MM##_##NBB(const float* restrict x, long K, const float* restrict w, \
+                              float* restrict out) { \
+  __m256 a[NBB][MM][2]; \
+  _Pragma("GCC unroll 16") for (int b = 0; b < NBB; b++) \
+  _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) { \
+    a[b][m][0] = _mm256_setzero_ps(); a[b][m][1] = _mm256_setzero_ps(); } \
+  for (long k = 0; k < K; k++) { \
+    _Pragma("GCC unroll 16") for (int b = 0; b < NBB; b++) { \
+      const float* wk = w + (b * K + k) * BLOCK; \
+      __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8); \
+      _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) { \
+        __m256 s = _mm256_broadcast_ss(x + m * K + k); \
+        a[b][m][0] = _mm256_fmadd_ps(s, w0, a[b][m][0]); \
+        a[b][m][1] = _mm256_fmadd_ps(s, w1, a[b][m][1]); } } } \
+  for (int b = 0; b < NBB; b++) for (int m = 0; m < MM; m++) { \
+    _mm256_storeu_ps(out + (b * MM + m) * BLOCK, a[b][m][0]); \
+    _mm256_storeu_ps(out + (b * MM + m) * BLOCK + 8, a[b][m][1]); } }
+TILE(1, 2) TILE(1, 1) TILE(2, 2) TILE(2, 1) TILE(3, 1) TILE(4, 1)
+
+static void put(const float* out, int mm, int nbb, const float* bias, float* y, long N, long nb,
+                long m0) {
+  for (int b = 0; b < nbb; b++) {
+    long c0 = (nb + b) * BLOCK;
+    int cols = (int)(N - c0 < BLOCK ? N - c0 : BLOCK);
+    for (int m = 0; m < mm; m++)
+      for (int j = 0; j < cols; j++)
+        y[(m0 + m) * N + c0 + j] = out[(b * mm + m) * BLOCK + j] + (bias ? bias[c0 + j] : 0.f);
+  }
+}
+
+/* y [M, N] = x [M, K] @ W.T (+ bias), W given blocked: [ceil(N / 16), K, 16], zero-padded. */
+void few_rows(const float* x, const float* wb, const float* bias, float* y, long M, long K, long N) {
+  long NB = (N + BLOCK - 1) / BLOCK;
+  float out[2 * 4 * BLOCK];
+  for (long nb = 0; nb < NB;) {
+    int nbb = (M <= 2 && nb + 1 < NB) ? 2 : 1; /* one or two rows: two blocks at once */
+    const float* w = wb + nb * K * BLOCK;
+    for (long m0 = 0; m0 < M;) {
+      const float* xm = x + m0 * K;
+      int mm = M - m0 >= 4 ? 4 : (int)(M - m0);
+      if (mm == 4) tile_4_1(xm, K, w, out);
+      else if (mm == 3) tile_3_1(xm, K, w, out);
+      else if (mm == 2) { if (nbb == 2) tile_2_2(xm, K, w, out); else tile_2_1(xm, K, w, out); }
+      else { if (nbb == 2) tile_1_2(xm, K, w, out); else tile_1_1(xm, K, w, out); }
+      put(out, mm, nbb, bias, y, N, nb, m0);
+      m0 += mm;
+    }
+    nb += nbb;
+  }
+}
+"""
+
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c99"]
+_state: dict = {}
+
+
+def enabled() -> bool:
+    """Whether the kernel is available here (built, loaded and checked; see the module's notes)."""
+    return _function() is not None
+
+
+def product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``x -> F.linear(x, weight, bias)``, through the kernel for passes of at most
+    :data:`MAX_ROWS` rows at one thread and through F.linear otherwise; None where the kernel
+    does not apply (see the module's notes; also a weight under :data:`MIN_ELEMENTS` elements,
+    not float32 on a CPU; a pass that records gradients goes through F.linear). The weight is copied into the kernel's layout
+    (memory: the weight once more); the copy does not follow later changes to the weight."""
+    if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            or weight.numel() < MIN_ELEMENTS):
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
+        return None
+    fn = _function()
+    if fn is None:
+        return None
+    out_features, in_features = weight.shape
+    blocked = blocked_layout(weight.detach())
+    bias_c = None if bias is None else bias.detach().contiguous()
+    bias_ptr = None if bias_c is None else bias_c.data_ptr()
+    w_ptr = blocked.data_ptr()
+
+    def multiply(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // in_features if in_features else 0
+        if (rows == 0 or rows > MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
+                or torch.get_num_threads() != 1
+                or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            return F.linear(x, weight, bias)
+        flat = x.reshape(rows, in_features).contiguous()
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        fn(flat.data_ptr(), w_ptr, bias_ptr, y.data_ptr(), rows, in_features, out_features)
+        return y.view(*x.shape[:-1], out_features)
+
+    multiply.blocked = blocked  # keeps the copy alive with the function; also for tests
+    multiply.bias = bias_c
+    return multiply
+
+
+def blocked_layout(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` as the kernel reads it: ``[ceil(out / 16), in, 16]``, the last
+    block's missing columns zero."""
+    out_features, in_features = weight.shape
+    blocks = -(-out_features // BLOCK)
+    padded = weight.new_zeros(blocks * BLOCK, in_features)
+    padded[:out_features] = weight
+    return padded.view(blocks, BLOCK, in_features).transpose(1, 2).contiguous()
+
+
+def _function():
+    """The loaded and checked kernel, or None (built and checked once per process)."""
+    if "fn" in _state:
+        return _state["fn"]
+    fn = None
+    reason = _unsupported()
+    if reason is None:
+        try:
+            fn = _load(_build())
+            reason = _check(fn)
+        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+            reason = f"building it failed: {e}"
+        if reason is not None:
+            fn = None
+    if reason is not None and os.environ.get("CASCADE_FEW_ROWS", "1") != "0":
+        log.info("few-row matrix kernel not used (%s); torch's own products instead", reason)
+    _state["fn"] = fn
+    _state["reason"] = reason
+    return fn
+
+
+def why_not() -> str | None:
+    """Why the kernel is not used here (None when it is)."""
+    _function()
+    return _state["reason"]
+
+
+def _unsupported() -> str | None:
+    if os.environ.get("CASCADE_FEW_ROWS", "1") == "0":
+        return "CASCADE_FEW_ROWS=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"no AVX2 (torch's CPU capability: {torch.backends.cpu.get_cpu_capability()})"
+    flags = _cpu_flags()
+    if flags is not None and not {"avx2", "fma"} <= flags:
+        return "the CPU lacks avx2 or fma"
+    return None
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def _build() -> Path:
+    """The kernel's shared library in the cache, compiled there first if it is not."""
+    from cascade.pull import cache_root
+
+    compiler = os.environ.get("CC", "cc")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30,
+                             check=True).stdout.splitlines()[:1]
+    key = hashlib.sha256("\n".join([_SOURCE, compiler, *version, *_FLAGS]).encode()).hexdigest()[:16]
+    directory = cache_root() / "kernels"
+    target = directory / f"few_rows-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        source = Path(tmp) / "few_rows.c"
+        source.write_text(_SOURCE)
+        built = Path(tmp) / "few_rows.so"
+        done = subprocess.run([compiler, *_FLAGS, "-o", str(built), str(source)], capture_output=True,
+                              text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} said: {done.stderr.strip()[-400:]}")
+        os.replace(built, target)  # atomic: processes building it at once each put a whole file
+    return target
+
+
+def _load(path: Path):
+    fn = ctypes.CDLL(str(path)).few_rows  # a CDLL call releases the GIL
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+    return fn
+
+
+def _check(fn) -> str | None:
+    """None if the kernel's products match F.linear on a probe (every tile, a partial last
+    block, a bias), else what differed."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(45, 37, generator=g)
+    bias = torch.randn(45, generator=g)
+    blocked = blocked_layout(weight)
+    for rows in (1, 2, 3, 4, 5, 7, 9):
+        x = torch.randn(rows, 37, generator=g)
+        for b in (None, bias):
+            y = torch.empty(rows, 45)
+            fn(x.data_ptr(), blocked.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), rows, 37, 45)
+            if not torch.allclose(y, F.linear(x, weight, b), rtol=1e-5, atol=1e-5):
+                return f"its product differed from F.linear's at {rows} rows"
+    return None
