@@ -242,7 +242,8 @@ class EscalationPolicy(CostAwarePolicy):
     slower paths); a change of path brings it back to ``probe_every``. At batch 1 a new
     request probes the n-gram level's paths at once and starts from only ``lookup_carry``
     observations of its acceptance (:meth:`_new_request`): whether prompt lookup pays is the
-    request's. The current path is kept unless another is priced ``switch_margin`` cheaper. A path that drafts is
+    request's; while the authority decodes alone, that probe waits for the request's first
+    match. The current path is kept unless another is priced ``switch_margin`` cheaper. A path that drafts is
     taken only if it is priced ``draft_margin`` cheaper than the authority decoding alone: a
     speculative step has costs the price leaves out (the engine's work per drafted token, the
     verifier scoring every row of a batch as wide as the longest block, cache holes left by
@@ -352,10 +353,14 @@ class EscalationPolicy(CostAwarePolicy):
         self._since_probe += 1.0 / max(1, ctx.batch_size)
         if self._probing is not None:
             # A probe in which nothing was proposed (prompt lookup without a match) measured no
-            # acceptance: it is taken again, so that such a level is measured at all.
+            # acceptance: it is taken again, so that such a level is measured at all — up to
+            # ``probe_retries`` times, and for as long as the request lasts where it is the
+            # request's own probe and the authority would decode alone anyway (such a retry
+            # then costs nothing: the step is the authority's one-token pass either way).
             probed, drafted, tries = self._probing
             self._probing = None
-            if drafted is False and tries < self.probe_retries and probed in candidates:
+            free = self._probing_request and self._current.get(ctx.available) == (ctx.authority,)
+            if drafted is False and (tries < self.probe_retries or free) and probed in candidates:
                 self._probes.append(probed)
                 if self._probing_request:
                     self._request_probes.add(probed)

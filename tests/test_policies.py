@@ -566,3 +566,41 @@ def test_a_new_request_measures_prompt_lookup_afresh():
     assert steps[-1] == (("ngram", "large"), "exploit")  # its own blocks decide now
     # the same request carries on: no further probe of its own
     assert all(kind == "exploit" for _, kind in steps[1:])
+
+
+def test_a_request_s_lookup_probe_waits_for_its_first_match_while_the_authority_decodes_alone():
+    """Where the policy decodes with the authority alone, a new request's probe of prompt
+    lookup that finds no match is retried past ``probe_retries`` — each retry is the
+    authority's one-token step anyway — until the request's text first repeats; where a
+    drafter is decoding instead, retries stop at ``probe_retries``."""
+    graph = nx.DiGraph([("ngram", "large"), ("tiny", "large")])
+    graph.nodes["ngram"]["kind"] = "ngram"
+
+    def run(tiny_accepts: int):
+        policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9, lookup_carry=4.0), graph)
+        est = policy.estimates
+        for level, seconds in (("ngram", 0.0), ("tiny", 0.002), ("large", 0.010)):
+            for width in (1, 2, 3, 4, 5):
+                for _ in range(10):
+                    est.costs.setdefault(level, LevelCost()).observe_pass(1 if seconds else 0, width, seconds, rows=1)
+        for _ in range(40):  # earlier requests: prompt lookup rejected
+            est.observe(feedback(StepPlan(("ngram", "large"), {"ngram": 3}), [("ngram", "large", 3, 0)], {}, {}))
+            est.observe(feedback(StepPlan(("tiny", "large"), {"tiny": 3}), [("tiny", "large", 3, tiny_accepts)], {}, {}))
+
+        def plan(step, proposed=0, accepted=0):
+            path, lookahead, kind, _ = policy._choose(PlanContext(graph, "large", 100, step, frozenset(graph.nodes)), 8)
+            edges = [("ngram", "large", proposed, accepted)] if path[0] == "ngram" else []
+            policy.observe(feedback(StepPlan(path, lookahead), edges, {}, {}))
+            return path, kind
+
+        current = [plan(50), plan(51)][-1][0]
+        steps = [plan(i) for i in range(20)]  # a new request whose text does not repeat for 20 steps
+        return current, steps, plan(20, 3, 3)
+
+    current, steps, matched = run(tiny_accepts=0)  # tiny useless: the authority decodes alone
+    assert current == ("large",)
+    assert all(s == (("ngram", "large"), "probe") for s in steps)
+    assert matched == (("ngram", "large"), "probe")  # the first match is measured
+    current, steps, matched = run(tiny_accepts=3)  # tiny decoding: retries cost its blocks
+    assert current == ("tiny", "large")
+    assert steps[:9] == [(("ngram", "large"), "probe")] * 9 and steps[9][0] == ("tiny", "large")
