@@ -274,8 +274,8 @@ class HeadWorker(Worker):
         self._trimmed_product = None
         if head.lm_head is None and draft_vocab is not None:  # the source's LM head restricted to the draft vocabulary
             trimmed = lm_head.weight.detach()[self._ids].clone()
-            # one row (drafting for one sequence) column-major, several from a prepacked copy,
-            # as the lean forward multiplies its source's (workers/lean.py)
+            # multiplied as the lean forward multiplies its source's (workers/lean.py: the
+            # few-row kernel, else oneDNN and column-major weights)
             self._trimmed_product = linear_product(trimmed, None, packable(trimmed))
         self.context_length = config.max_position_embeddings
         self._seqs: dict[str, _HeadSeq] = {}

@@ -76,7 +76,7 @@ class HFWorker(Worker):
         self._caches: dict[str, _SeqCache] = {}
         self._pool: Pool | bool | None = None  # None: not decided yet; False: per-sequence caches
         # transformers' forward minus its per-call plumbing, where the model is one it knows
-        # (packed_weights: several-row passes from prepacked weights where that is float32 on a CPU)
+        # (packed_weights: float32 products on a CPU from copies laid out for them, workers/lean.py)
         self._pack = None if packed_weights else False
         self.lean = lean_forward(self.model, pack=self._pack) if lean else None
         self._trees: str | None | bool = False  # how trees are masked (see _tree_support); False: not decided

@@ -13,9 +13,10 @@ from cascade.errors import RequestError
 def as_loaded(model):
     """``model`` as transformers loaded it, for the baselines that run transformers' own forward
     on a level's model: the model itself, or — where the lean forward stored large weights
-    column-major for its one-row passes (:func:`workers.lean.column_major`), which would also
-    change what transformers' kernels cost — a copy with every parameter row-major again, made
-    once per model (memory: the model once more) and kept beside it. Values are the same."""
+    column-major for its one-row passes (:func:`workers.lean.column_major`, used where the
+    few-row kernel is not), which would also change what transformers' kernels cost — a copy
+    with every parameter row-major again, made once per model (memory: the model once more) and
+    kept beside it. Values are the same."""
     if all(p.is_contiguous() for p in model.parameters()):
         return model
     copy = getattr(model, "_cascade_as_loaded", None)

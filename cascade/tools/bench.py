@@ -79,7 +79,7 @@ class _PassCounter:
     """Counts forward passes of a model by a hook on its LM head, which every pass calls once,
     while attached: around transformers' own runs (plain ``generate`` and its assisted modes).
     cascade's runs report their authority's passes in their stats, and run without the hook: with
-    one, the workers' lean forward calls the LM head module instead of its prepacked product
+    one, the workers' lean forward calls the LM head module instead of its own product
     (workers/lean.py), which would time another kernel than the one served."""
 
     def __init__(self, model):
