@@ -1,0 +1,53 @@
+"""What a SmolLM2-135M-Instruct pass costs with and without the few-row kernel (workers/few_rows.py).
+
+Two lean workers of the pulled model side by side in one process, one multiplying through the
+kernel and one through torch's products (oneDNN from prepacked copies, MKL over column-major
+weights for one row); one score pass of W new positions after a 200-token prefix, the widths
+interleaved and the two workers alternated in a random order each repeat, one thread:
+
+    OMP_NUM_THREADS=1 python examples/models/smollm2/kernel_curve.py [--repeats 7]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--widths", default="1,2,4,8,12,16")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM
+
+    from cascade.pull import cache_dir
+    from cascade.tools.cost_curve import measure
+    from workers import few_rows
+    from workers.hf import HFWorker
+
+    if not few_rows.enabled():
+        raise SystemExit(f"the few-row kernel is not used here: {few_rows.why_not()}")
+    path = cache_dir("smollm2-135m-instruct")
+    load = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
+    kernel = HFWorker.from_model(load())
+    few_rows._state.update(fn=None, reason="the comparison's second worker")  # built without it
+    torch_products = HFWorker.from_model(load())
+    widths = [int(w) for w in args.widths.split(",")]
+    times = {name: {w: [] for w in widths} for name in ("kernel", "torch")}
+    for repeat in range(args.repeats):
+        for name, worker in random.Random(repeat).sample([("kernel", kernel), ("torch", torch_products)], 2):
+            for w, seconds in measure(worker, widths, 200, 1).items():
+                times[name][w] += seconds
+    median = {name: {w: statistics.median(v) * 1000 for w, v in t.items()} for name, t in times.items()}
+    print("new positions      " + "".join(f"{w:>8}" for w in widths))
+    for name in times:
+        print(f"{name + ' (ms)':<19}" + "".join(f"{median[name][w]:8.1f}" for w in widths))
+    print(f"{'torch / kernel':<19}" + "".join(f"{median['torch'][w] / median['kernel'][w]:7.2f}x" for w in widths))
+
+
+if __name__ == "__main__":
+    main()
