@@ -46,6 +46,7 @@ from torch import nn
 
 from workers.base import Worker, common_prefix
 from workers.draft_vocab import DraftVocab
+from workers import few_rows
 from workers.lean import linear_product, packable
 
 CONFIG = "head_config.json"
@@ -253,6 +254,9 @@ class HeadWorker(Worker):
     def __init__(self, head: FeatureHead, embed: nn.Module, lm_head: nn.Module, features_of: str | None = None,
                  draft_vocab: DraftVocab | None = None):
         self.head = head.eval()
+        for module in self.head.modules():  # its layer's products through the few-row kernel, where it applies
+            if isinstance(module, nn.Linear) and (product := few_rows.product(module.weight, module.bias)):
+                module.forward = product
         self.embed, self.lm_head = embed, lm_head
         self.features_of = features_of
         self.device = next(head.parameters()).device
