@@ -76,6 +76,9 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     decoder = list(inner.layers[: model.config.num_hidden_layers])
     attn = decoder[0].self_attn
     head_dim, scaling, groups = attn.head_dim, attn.scaling, attn.num_key_value_groups
+    # Grouped-query attention: the kernel reads each key/value head for its group of query heads
+    # (the same products as over repeated keys; SmolLM2, 200 columns: ~0.1 ms a layer saved).
+    gqa = {"enable_gqa": True} if groups > 1 and _sdpa_gqa() else {}
     # Each layer's tensors, fetched once (a module call and its attribute lookups cost more than
     # a small model's matrix product); the ops below are the modules' own, in their order.
     weights = [(
@@ -111,9 +114,9 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             keys, values = cache.update(k, v)
-            if groups > 1:
+            if groups > 1 and not gqa:
                 keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, **gqa)
             hidden = hidden + wo(out.transpose(1, 2).reshape(rows, width, -1))
             x = _rms(hidden, *norm2)
             hidden = hidden + down(act(gate(x)) * up(x))
@@ -125,6 +128,16 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         return lm_head(hidden)
 
     return forward
+
+
+def _sdpa_gqa() -> bool:
+    """Whether this torch's SDPA takes grouped keys and values (``enable_gqa``, torch >= 2.5)."""
+    try:
+        q, kv = torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4)
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        return True
+    except (TypeError, RuntimeError):
+        return False
 
 
 def attention_mask(valid, width: int, columns: int, device, among=None):
