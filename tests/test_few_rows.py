@@ -105,15 +105,15 @@ def test_a_lean_worker_with_the_kernel_scores_like_one_without():
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).eval()
-    with_kernel = HFWorker.from_model(model)
-    without = HFWorker.from_model(model)
-    without.lean = lean_forward(model, pack=False)
-    assert model.model.layers[0].mlp.up_proj.weight.is_contiguous()  # the model's own weights left as they are
     calls = []
     real, threads = few_rows._state["fn"], torch.get_num_threads()
-    few_rows._state["fn"] = lambda *a: (calls.append(a[4]), real(*a))[1]
-    torch.set_num_threads(1)  # the kernel's condition
+    torch.set_num_threads(1)  # the kernel's condition, when the model loads and when it runs
     try:
+        with_kernel = HFWorker.from_model(model)
+        without = HFWorker.from_model(model)
+        without.lean = lean_forward(model, pack=False)
+        assert model.model.layers[0].mlp.up_proj.weight.is_contiguous()  # the model's own weights left as they are
+        few_rows._state["fn"] = lambda *a: (calls.append(a[4]), real(*a))[1]
         rebuilt = HFWorker.from_model(model)  # its products call the counting kernel
         rng = random.Random(2)
         seqs = [[rng.randrange(97) for _ in range(n)] for n in (5, 17, 9)]
@@ -131,3 +131,24 @@ def test_a_lean_worker_with_the_kernel_scores_like_one_without():
         few_rows._state["fn"] = real
         torch.set_num_threads(threads)
     assert calls and max(calls) <= few_rows.MAX_ROWS
+
+
+@available
+def test_the_layout_is_chosen_for_the_thread_count_at_load():
+    """The kernel is single-threaded: a model loaded at one thread gets its blocked copies, one
+    loaded at more gets oneDNN's prepacked copies and column-major weights (workers/lean.py)."""
+    from workers.lean import linear_product
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.randn(1024, 576)
+        assert hasattr(linear_product(one, None, pack=True), "blocked") and one.is_contiguous()
+        torch.set_num_threads(2)
+        two = torch.randn(1024, 576)
+        product = linear_product(two, None, pack=True)
+        assert not hasattr(product, "blocked") and two.stride() == (1, 1024)
+        x = torch.randn(3, 576)
+        torch.testing.assert_close(product(x), x @ two.T, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(threads)

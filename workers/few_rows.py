@@ -23,9 +23,10 @@ It is used where all of this holds, else the caller keeps torch's own products:
   into ``$CASCADE_CACHE/kernels`` (a few hundred milliseconds, once; a build or check that fails
   logs why, once, and is not retried in the process);
 * the kernel's products match ``F.linear`` on a probe when it is loaded;
-* torch runs one intra-op thread (the kernel is single-threaded; with more threads MKL's
-  parallel products are used), and the pass has at most :data:`MAX_ROWS` rows (more rows: MKL's
-  blocked matrix product is faster);
+* torch runs one intra-op thread (the kernel is single-threaded: :mod:`workers.lean` builds a
+  level's products for it only where the level loads at one thread, and a pass run at more goes
+  to F.linear), and the pass has at most :data:`MAX_ROWS` rows (more rows: MKL's blocked matrix
+  product is faster);
 * ``CASCADE_FEW_ROWS`` is not ``0``.
 """
 from __future__ import annotations

@@ -47,7 +47,7 @@ from torch import nn
 from workers.base import Worker, common_prefix
 from workers.draft_vocab import DraftVocab
 from workers import few_rows
-from workers.lean import linear_product, packable
+from workers.lean import few_rows_now, linear_product, packable
 
 CONFIG = "head_config.json"
 WEIGHTS = "model.safetensors"
@@ -255,7 +255,8 @@ class HeadWorker(Worker):
                  draft_vocab: DraftVocab | None = None):
         self.head = head.eval()
         for module in self.head.modules():  # its layer's products through the few-row kernel, where it applies
-            if isinstance(module, nn.Linear) and (product := few_rows.product(module.weight, module.bias)):
+            if (isinstance(module, nn.Linear) and few_rows_now()
+                    and (product := few_rows.product(module.weight, module.bias))):
                 module.forward = product
         self.embed, self.lm_head = embed, lm_head
         self.features_of = features_of

@@ -20,8 +20,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--widths", default="1,2,4,8,12,16")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's intra-op threads (the kernel runs at one; with more, both workers use torch's products)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
     from cascade.pull import cache_dir
