@@ -2,8 +2,9 @@
 
 Two lean workers of the pulled model side by side in one process, one multiplying through the
 kernel and one through torch's products (oneDNN from prepacked copies, MKL over column-major
-weights for one row); one score pass of W new positions after a 200-token prefix, the widths
-interleaved and the two workers alternated in a random order each repeat, one thread:
+weights for one row) — and, where the CPU computes bf16 natively (AVX-512 BF16, AMX), a third in
+bf16, what `dtype: fastest` loads there; one score pass of W new positions after a 200-token
+prefix, the widths interleaved and the workers alternated in a random order each repeat, one thread:
 
     OMP_NUM_THREADS=1 python examples/models/smollm2/kernel_curve.py [--repeats 7]
 """
@@ -29,26 +30,31 @@ def main() -> None:
     from cascade.pull import cache_dir
     from cascade.tools.cost_curve import measure
     from workers import few_rows
+    from workers.devices import native_bf16
     from workers.hf import HFWorker
 
     if not few_rows.enabled():
         raise SystemExit(f"the few-row kernel is not used here: {few_rows.why_not()}")
     path = cache_dir("smollm2-135m-instruct")
-    load = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
-    kernel = HFWorker.from_model(load())
-    few_rows._state.update(fn=None, reason="the comparison's second worker")  # built without it
-    torch_products = HFWorker.from_model(load())
+    load = lambda dtype=torch.float32: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()  # noqa: E731
+    workers = {"kernel": HFWorker.from_model(load())}
+    few_rows._state.update(fn=None, reason="the comparison's other workers")  # built without it
+    workers["torch"] = HFWorker.from_model(load())
+    if native_bf16(torch.device("cpu")):
+        workers["torch, bf16"] = HFWorker.from_model(load(torch.bfloat16))
     widths = [int(w) for w in args.widths.split(",")]
-    times = {name: {w: [] for w in widths} for name in ("kernel", "torch")}
+    times = {name: {w: [] for w in widths} for name in workers}
     for repeat in range(args.repeats):
-        for name, worker in random.Random(repeat).sample([("kernel", kernel), ("torch", torch_products)], 2):
+        for name, worker in random.Random(repeat).sample(sorted(workers.items()), len(workers)):
             for w, seconds in measure(worker, widths, 200, 1).items():
                 times[name][w] += seconds
     median = {name: {w: statistics.median(v) * 1000 for w, v in t.items()} for name, t in times.items()}
-    print("new positions      " + "".join(f"{w:>8}" for w in widths))
+    print(f"{'new positions':<22}" + "".join(f"{w:>8}" for w in widths))
     for name in times:
-        print(f"{name + ' (ms)':<19}" + "".join(f"{median[name][w]:8.1f}" for w in widths))
-    print(f"{'torch / kernel':<19}" + "".join(f"{median['torch'][w] / median['kernel'][w]:7.2f}x" for w in widths))
+        print(f"{name + ' (ms)':<22}" + "".join(f"{median[name][w]:8.1f}" for w in widths))
+    for name in times:
+        if name != "kernel":
+            print(f"{name + ' / kernel':<22}" + "".join(f"{median[name][w] / median['kernel'][w]:7.2f}x" for w in widths))
 
 
 if __name__ == "__main__":
