@@ -58,7 +58,8 @@ class EscalationParams(CostParams):
     switch_margin: Unit = Field(0.05, description="Leave the current path only for one priced this much cheaper.")
     probe_every: Annotated[Int, Field(ge=1)] = Field(128, description="Steps between probe rounds, at first.")
     pool_weight: Annotated[Float, Field(ge=0.0, le=1e6)] = Field(
-        20.0, description="Observations' worth of the verifier's pooled acceptance in each edge's estimate.")
+        20.0, description="Observations' worth of the verifier's pooled acceptance in each edge's estimate "
+        "(the other edges of its kind into that verifier; at most what they have seen).")
     draft_margin: Unit = Field(0.1, description="A drafting path must be priced this much cheaper than none.")
     probe_backoff: Annotated[Int, Field(ge=1)] = Field(
         8, description="Probe interval grows up to this many times probe_every while the choice holds.")

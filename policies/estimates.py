@@ -47,18 +47,17 @@ class EdgeAcceptance:
             self.seen = [s * scale for s in self.seen]
             self.accepted = [a * scale for a in self.accepted]
 
-    def rate(self, j: int, prior: float | None = None, prior_weight: float | None = None) -> float:
-        """Estimated acceptance at position j (later positions borrow the last one seen).
-        ``prior``/``prior_weight`` replace the edge's own prior (e.g. a pooled rate)."""
-        prior = self.prior if prior is None else prior
-        pw = self.prior_weight if prior_weight is None else prior_weight
-        if not self.seen:
-            mean, weight = prior, pw
-        else:
+    def rate(self, j: int, pool: tuple[float, float] | None = None) -> float:
+        """Estimated acceptance at position j (later positions borrow the last one seen): the
+        edge's own rounds, its prior, and ``pool`` (a rate and the observations it is worth,
+        e.g. what other edges into the same verifier measured), each by its weight."""
+        seen = accepted = 0.0
+        if self.seen:
             j = min(j, len(self.seen) - 1)
-            weight = self.seen[j] + pw
-            mean = (self.accepted[j] + prior * pw) / weight if weight else prior
-        return mean
+            seen, accepted = self.seen[j], self.accepted[j]
+        rate, weight = pool if pool is not None else (0.0, 0.0)
+        total = seen + self.prior_weight + weight
+        return (accepted + self.prior * self.prior_weight + rate * weight) / total if total else self.prior
 
     def expected_tokens(self, k: int) -> float:
         """Expected tokens one round emits with a block of k: accepted prefix + 1."""
@@ -452,20 +451,23 @@ class Estimates:
 
         into: dict[tuple[str, str | None], list[EdgeAcceptance]] = {}
 
-        def pooled(below: str, level: str, j: int) -> float | None:
-            """Acceptance at position j pooled over every edge into ``level`` from a proposer of
-            ``below``'s kind."""
+        def pooled(below: str, level: str, j: int) -> tuple[float, float] | None:
+            """(acceptance at position j pooled over the other edges into ``level`` from a
+            proposer of ``below``'s kind, the observations' worth it carries: ``pool_weight`` at
+            most, and no more than the pool has seen). The edge's own rounds are not in its pool:
+            pooled with itself, one unlucky round would count ``pool_weight`` times over."""
             if not self.pool_weight:
                 return None
             key = (level, self.kinds.get(below))
             if key not in into:
-                into[key] = [e for (proposer, verifier), e in self.edges.items()
+                into[key] = [(proposer, e) for (proposer, verifier), e in self.edges.items()
                              if verifier == level and e.seen and self.kinds.get(proposer) == key[1]]
             seen = accepted = 0.0
-            for e in into[key]:
-                i = min(j, len(e.seen) - 1)
-                seen, accepted = seen + e.seen[i], accepted + e.accepted[i]
-            return accepted / seen if seen else None
+            for proposer, e in into[key]:
+                if proposer != below:
+                    i = min(j, len(e.seen) - 1)
+                    seen, accepted = seen + e.seen[i], accepted + e.accepted[i]
+            return (accepted / seen, min(self.pool_weight, seen)) if seen else None
 
         per_token = cost(path[0], 1)
         lookahead: dict[str, int] = {}
@@ -484,7 +486,7 @@ class Estimates:
             expected, survive = 1.0, 1.0  # expected_tokens(k), built up incrementally
             for k in range(1, max_lookahead + 1):
                 pool = pooled(below, level, k - 1)
-                survive *= acc.rate(k - 1) if pool is None else acc.rate(k - 1, pool, self.pool_weight)
+                survive *= acc.rate(k - 1, pool)
                 expected += survive
                 per = (k * per_token + cost(level, k + 1)) / expected
                 if per < best:
