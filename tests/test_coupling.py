@@ -64,7 +64,8 @@ def test_the_same_noise_couples_levels():
 
 def _levels(names: list[str]) -> list[dict]:
     seeds = {"tiny": 10, "small": 11, "medium": 12, "large": 13}  # large: the authority of every variant
-    return [{"name": n, "kind": "table_worker:TableWorker", "params": {"vocab_size": VOCAB, "seed": seeds[n]}}
+    return [{"name": n, "kind": "ngram"} if n == "ngram" else
+            {"name": n, "kind": "table_worker:TableWorker", "params": {"vocab_size": VOCAB, "seed": seeds[n]}}
             for n in names]
 
 
@@ -75,6 +76,8 @@ VARIANTS = [  # (levels, policy): the same authority, every other decision diffe
                                                                                         "medium": 5}}}),
     (["tiny", "small", "medium", "large"], {"name": "confidence", "params": {"lookahead": 6}}),
     (["tiny", "small", "medium", "large"], {"name": "auto", "params": {"explore": 0.3}}),
+    (["ngram", "large"], {"name": "fixed", "params": {"lookahead": 3}}),  # one-hot drafts: prompt lookup
+    (["ngram", "small", "large"], {"name": "fixed", "params": {"lookahead": {"ngram": 4, "small": 2}}}),
 ]
 
 
@@ -83,7 +86,7 @@ def test_same_seed_same_tokens_whatever_the_policy_and_batch(tmp_path):
     gives what the authority alone gives for each seed, with the default coupling as with
     "gumbel" named (and the residual rule does not)."""
     prompts = [[i % VOCAB, (3 * i) % VOCAB] for i in range(24)]
-    outputs, residual = [], []
+    outputs, residual, looked_up = [], [], 0
     for v, (names, policy) in enumerate(VARIANTS):
         path = write_topology(tmp_path / f"v{v}.yaml", {"levels": _levels(names), "policy": policy})
         with Cascade.from_topology(path) as c:
@@ -91,9 +94,11 @@ def test_same_seed_same_tokens_whatever_the_policy_and_batch(tmp_path):
                 gs = c.generate(prompts, max_new_tokens=20, temperature=1.0, seed=40, coupling=coupling,
                                 batch_size=batch_size)
                 outputs.append([g.token_ids for g in gs])
+                looked_up += sum(e.accepted for g in gs for k, e in g.stats.edges.items() if k.startswith("ngram->"))
             residual.append([g.token_ids for g in c.generate(prompts, max_new_tokens=20, temperature=1.0,
                                                              seed=40, coupling="residual")])
     assert all(out == outputs[0] for out in outputs)
+    assert looked_up > 100  # prompt lookup's one-hot drafts were accepted, and changed no token
     assert any(out != residual[0] for out in residual[1:])  # without it, block boundaries move the draws
 
 
