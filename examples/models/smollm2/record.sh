@@ -9,13 +9,15 @@
 # Everything goes to $SMOLLM2_WORK (default ~/.cache/cascade/work/smollm2, outside the git tree):
 # record/ holds the shards and record.json, record.log the progress. Shards are a pure function
 # of (seed, shard index, batch), so keep SEQUENCES' batch and seed unchanged across resumes;
-# SEQUENCES may grow. It runs at low priority (nice 10) on one thread, taking the CPU that
-# nothing else wants (about 120 recorded tokens/s on an idle AMD EPYC core, 2026-12-02).
+# SEQUENCES may grow. It runs at low priority (nice 5) on THREADS threads (default 1), taking the
+# CPU that nothing else wants (about 120 recorded tokens/s on an idle AMD EPYC core, 2026-12-02;
+# 125 on an AMX Xeon core beside a benchmark, 2026-12-04); THREADS=2 on an idle 2-core machine.
 set -euo pipefail
 
 cd "$(dirname "$0")/../../.."
 WORK=${SMOLLM2_WORK:-$HOME/.cache/cascade/work/smollm2}
 SEQUENCES=${SEQUENCES:-20000}
+THREADS=${THREADS:-1}
 mkdir -p "$WORK"
 
 running() { pgrep -f -- "record --model pulled:smollm2-135m-instruct --out $WORK/record" >/dev/null; }
@@ -35,8 +37,8 @@ esac
 
 if running; then echo "already running; $0 status"; exit 0; fi
 python -c 'import sys; from cascade.cli import main; sys.exit(main())' pull smollm2-135m-instruct
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS TOKENIZERS_PARALLELISM=false
 nohup nice -n 5 python -c 'import sys; from cascade.cli import main; sys.exit(main())' \
-  record --model pulled:smollm2-135m-instruct --out "$WORK/record" --sequences "$SEQUENCES" --batch 48 \
+  record --model pulled:smollm2-135m-instruct --out "$WORK/record" --sequences "$SEQUENCES" --batch 48 --threads "$THREADS" \
   >>"$WORK/record.log" 2>&1 &
 echo "started (pid $!); $0 status"
