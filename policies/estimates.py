@@ -449,7 +449,7 @@ class Estimates:
             c = self.cost(level, batch, width)
             return default_cost if c is None else c
 
-        into: dict[tuple[str, str | None], list[EdgeAcceptance]] = {}
+        into: dict[tuple[str, str | None], list[tuple[str, EdgeAcceptance]]] = {}
 
         def pooled(below: str, level: str, j: int) -> tuple[float, float] | None:
             """(acceptance at position j pooled over the other edges into ``level`` from a
