@@ -449,7 +449,7 @@ class Estimates:
             c = self.cost(level, batch, width)
             return default_cost if c is None else c
 
-        into: dict[tuple[str, str | None], list[tuple[str, EdgeAcceptance]]] = {}
+        into: dict[tuple[str, str], list[EdgeAcceptance]] = {}
 
         def pooled(below: str, level: str, j: int) -> tuple[float, float] | None:
             """(acceptance at position j pooled over the other edges into ``level`` from a
@@ -458,15 +458,15 @@ class Estimates:
             pooled with itself, one unlucky round would count ``pool_weight`` times over."""
             if not self.pool_weight:
                 return None
-            key = (level, self.kinds.get(below))
+            key = (below, level)
             if key not in into:
-                into[key] = [(proposer, e) for (proposer, verifier), e in self.edges.items()
-                             if verifier == level and e.seen and self.kinds.get(proposer) == key[1]]
+                kind = self.kinds.get(below)
+                into[key] = [e for (proposer, verifier), e in self.edges.items()
+                             if verifier == level and proposer != below and e.seen and self.kinds.get(proposer) == kind]
             seen = accepted = 0.0
-            for proposer, e in into[key]:
-                if proposer != below:
-                    i = min(j, len(e.seen) - 1)
-                    seen, accepted = seen + e.seen[i], accepted + e.accepted[i]
+            for e in into[key]:
+                i = min(j, len(e.seen) - 1)
+                seen, accepted = seen + e.seen[i], accepted + e.accepted[i]
             return (accepted / seen, min(self.pool_weight, seen)) if seen else None
 
         per_token = cost(path[0], 1)
