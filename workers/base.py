@@ -60,6 +60,8 @@ class Worker(abc.ABC):
 
     vocab_size: int
     can_score: bool = True
+    # whether :meth:`draft_tree` works here (the generic one scores nodes with :meth:`score`)
+    drafts_trees: bool = True
 
     @abc.abstractmethod
     def score(
@@ -153,21 +155,8 @@ class Worker(abc.ABC):
             logits = self.score_tree([seq_ids[b] for b in grow], [token_ids[b] for b in grow],
                                      [trees[b] for b in grow])
             for b, rows in zip(grow, logits):
-                tokens, parents = trees[b]
-                width, nodes = widths[b][depth], []
-                # every frontier node's row at once; a stable descending sort: equal logits keep
-                # token order (deterministic)
-                at = rows[[parent + 1 for parent in frontier[b]]]
-                order = torch.sort(at, dim=-1, descending=True, stable=True).indices[:, :width]
-                finite = torch.isfinite(at.gather(1, order)).tolist()  # -inf: outside a trimmed vocabulary
-                for parent, best, ok in zip(frontier[b], order.tolist(), finite):
-                    for token, keep in zip(best, ok):
-                        if not keep:
-                            break
-                        nodes.append(len(tokens))
-                        tokens.append(token)
-                        parents.append(parent)
-                frontier[b] = nodes
+                frontier[b] = grow_children(trees[b], frontier[b], rows[[parent + 1 for parent in frontier[b]]],
+                                            widths[b][depth])
         return trees
 
     def draft(
@@ -249,3 +238,23 @@ def _warp(logits: list[torch.Tensor], sampling: Sampling) -> list[torch.Tensor]:
         return [sampling.probs(logits[0])]
     # One warp for all rows: the warping is row-wise, so each row is what it would be alone.
     return list(sampling.probs(torch.cat(logits)).split([x.shape[0] for x in logits]))
+
+
+def grow_children(tree: tuple[list[int], list[int]], frontier: Sequence[int], rows: torch.Tensor,
+                  width: int) -> list[int]:
+    """Append below each ``frontier`` node (-1: the root) of ``tree`` (``(tokens, parents)``,
+    grown in place) the ``width`` tokens its row of ``rows`` ``[len(frontier), vocab]`` ranks
+    highest, best first; returns the new nodes. A stable descending sort: equal logits keep
+    token order (deterministic); ``-inf`` (outside a trimmed vocabulary) is never a candidate."""
+    tokens, parents = tree
+    order = torch.sort(rows, dim=-1, descending=True, stable=True).indices[:, :width]
+    finite = torch.isfinite(rows.gather(1, order)).tolist()
+    nodes = []
+    for parent, best, ok in zip(frontier, order.tolist(), finite):
+        for token, keep in zip(best, ok):
+            if not keep:
+                break
+            nodes.append(len(tokens))
+            tokens.append(token)
+            parents.append(parent)
+    return nodes

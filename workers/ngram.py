@@ -45,6 +45,7 @@ class NGramParams(BaseModel):
 
 class NGramWorker(Worker):
     can_score = False
+    drafts_trees = False
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
         try:
