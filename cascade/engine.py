@@ -312,7 +312,7 @@ class Engine:
                 self._draft(seqs, level, sampling, stop, policy)
                 return
             widths = plan.tree.get(plan.path[0]) if i == 1 else None
-            if widths and self.workers[plan.path[0]].can_score:
+            if widths and self.workers[plan.path[0]].drafts_trees:
                 while active := [s for s in seqs if s.open]:
                     self._tree_round(active, plan, widths, sampling, stop, policy)
                     if top:
@@ -354,6 +354,7 @@ class Engine:
         ids = [s.state.seq_id for s in seqs]
         # as a block: at most budget - 1 - len(tokens) deep, so that the bonus lands on the budget
         shapes = [widths[:max(0, s.budget - len(s.tokens) - 1)] for s in seqs]
+        self._hand_features(drafter, seqs, policy)  # a feature head's, as before a block
         t0 = time.perf_counter()
         grown = self.workers[drafter].draft_tree(ids, prefixes, shapes)
         depth = [len(x) for x in shapes]

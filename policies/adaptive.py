@@ -300,8 +300,8 @@ class EscalationPolicy(CostAwarePolicy):
 
     def _shapes(self, ctx: PlanContext, path: tuple[str, ...]) -> list[tuple[int, ...] | None]:
         """The first edge's choices on ``path``: a chain (None), or a tree of each shape where
-        the first level can score (an n-gram level or a feature head cannot)."""
-        if not self.trees or len(path) < 2 or ctx.graph.nodes[path[0]].get("kind") in ("ngram", "head"):
+        the first level grows trees (a model or a feature head; an n-gram level does not)."""
+        if not self.trees or len(path) < 2 or ctx.graph.nodes[path[0]].get("kind") == "ngram":
             return [None]
         return [None, *self.trees]
 

@@ -142,6 +142,54 @@ def test_a_sequence_run_past_its_features_uses_the_heads_predictions(models):
         torch.testing.assert_close(row, torch.softmax(logits, -1), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["random", "gqa"])
+def test_a_heads_tree_equals_naive_chains(models, kind):
+    """draft_tree, two sequences of different lengths in one call: every node's children are
+    the top candidates of the head's logits after the root-to-node path, recomputed naively (a
+    chain over that path: real features up to the handed ones, then the head's own); the
+    head's entries afterwards are the sequences' own, as after a block."""
+    from workers.trees import as_tree
+
+    source = source_worker(models)
+    head = HeadWorker.load(models / kind, source, "auth")
+    seqs = [[5, 17, 30, 2, 99, 41], [7, 8, 9]]
+    widths = [(3, 2, 2), (2, 1, 2, 1)]
+    hand_features(head, source, ["a", "b"], seqs)
+    trees = head.draft_tree(["a", "b"], seqs, widths)
+    for s, seq, (tokens, parents), shape in zip(["a", "b"], seqs, trees, widths):
+        as_tree((tokens, parents))  # well formed: parents before children
+        real = authority_features(source.model, seq)[:-1]
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            children.setdefault(p, []).append(i)
+
+        def path_to(node):
+            out = []
+            while node >= 0:
+                out.append(tokens[node])
+                node = parents[node]
+            return out[::-1]
+
+        def check(node, depth):
+            if depth == len(shape):
+                assert node not in children
+                return
+            path = [] if node < 0 else path_to(node)
+            logits = naive_logits(head, seq + path, real, len(seq) + len(path) - 1)[0]
+            best = torch.sort(logits, descending=True, stable=True).indices[:shape[depth]].tolist()
+            assert [tokens[c] for c in children[node]] == best
+            for c in children[node]:
+                check(c, depth + 1)
+
+        check(-1, 0)
+        assert head.entries(s) == (seq, len(seq))
+    # a later block drafts as if no tree had been grown
+    draft = head.draft(["a"], [seqs[0]], [2], Sampling(temperature=1.0), [torch.tensor([0.3, 0.6], dtype=torch.float64)])[0]
+    want = naive_logits(head, seqs[0] + draft.tokens[:-1], authority_features(source.model, seqs[0])[:-1], 5)
+    for row, logits in zip(draft.probs, want):
+        torch.testing.assert_close(row, torch.softmax(logits, -1), rtol=0, atol=1e-12)
+
+
 def test_a_head_over_a_trimmed_draft_vocabulary(models, tmp_path):
     """Its own output head over a draft vocabulary: rows -inf (probs 0) outside, the naive rows inside."""
     source = source_worker(models)
@@ -243,7 +291,8 @@ def test_the_hand_off_under_a_rejected_block(models, tmp_path, tokenizer, setup)
     committed sequence are those of a fresh full pass over it (a rejected block left none behind),
     and once handed over, the head holds real-feature entries only, equal to a naive recomputation.
     Solo (a DynamicCache), and three sequences in the pool under a policy that turns between the
-    head, a tree of the drafter's, the head drafting for the drafter, and the n-gram level."""
+    head, a tree of the drafter's, the head drafting for the drafter, a tree of the head's and the
+    n-gram level."""
     if setup == "solo":
         prompts, topo, policy = [tokenizer.encode("def fibonacci(n):\n")], head_topology(models, tmp_path), None
     else:
@@ -282,6 +331,26 @@ def test_the_hand_off_under_a_rejected_block(models, tmp_path, tokenizer, setup)
         for prompt, state in zip(prompts, states):
             assert state.generated == reference_greedy(models / "auth", prompt, 40)
     assert partly_rejected > 0, "no block was partly rejected: the test did not test the hand-off"
+
+
+@pytest.mark.parametrize("head", ["copy", "noisy", "random"])
+def test_greedy_identity_with_a_heads_tree(models, tmp_path, tokenizer, head):
+    """The head grows a tree, the authority scores it in one pass and walks it: alone and in a
+    batch, the output is plain greedy decoding's; the copy of the authority's layer has its
+    first choice taken at every depth."""
+    prompts = prompts_from_text(tokenizer, 3)
+    policy = {"name": "fixed", "params": {"lookahead": {"head": 3}, "tree": {"head": [2, 2, 1]}}}
+    with Cascade.from_topology(head_topology(models, tmp_path, head=head, policy=policy)) as c:
+        solo = [c.generate(p, max_new_tokens=32, temperature=0.0) for p in prompts]
+        batched = c.generate(prompts, max_new_tokens=32, temperature=0.0, batch_size=3)
+        assert c.workers["head"].cached_sequences() == 0
+    for p, g, b in zip(prompts, solo, batched):
+        want = reference_greedy(models / "auth", p, 32)
+        assert g.token_ids == want and b.token_ids == want
+    edges = [g.stats.edges["head->auth"] for g in solo]
+    assert all(e.tree_nodes > 0 for e in edges)
+    if head == "copy":
+        assert all(e.accepted == e.proposed and sum(e.accepted_by_rank[1:]) == 0 for e in edges)
 
 
 @pytest.mark.parametrize("head", ["copy", "noisy", "random"])
@@ -348,9 +417,8 @@ def test_greedy_identity_head_reading_a_middle_level(models, tmp_path, tokenizer
     assert got[0].stats.edges["head->tiny"].proposed > 0
 
 
-def test_auto_prices_no_tree_for_a_head(models, tmp_path):
-    """A head drafts blocks (it cannot score a tree's nodes): auto offers trees on the drafter's
-    paths only."""
+def test_auto_prices_trees_for_a_head_and_not_for_the_ngram_level(models, tmp_path):
+    """A head grows trees as a drafter does (its own pass per depth); the n-gram level does not."""
     from policies import from_spec
     from policies.base import PlanContext
 
@@ -358,16 +426,18 @@ def test_auto_prices_no_tree_for_a_head(models, tmp_path):
     auto = from_spec({"name": "auto"})
     auto.bind(topo.graph, topo.authority)
     ctx = PlanContext(topo.graph, topo.authority, 16, 0, frozenset(topo.graph), batch_size=1)
-    assert auto._shapes(ctx, ("head", "auth")) == [None]
-    assert auto._shapes(ctx, ("tiny", "auth"))[0] is None and len(auto._shapes(ctx, ("tiny", "auth"))) > 1
+    assert auto._shapes(ctx, ("ngram", "auth")) == [None]
+    for path in (("head", "auth"), ("tiny", "auth")):
+        assert auto._shapes(ctx, path)[0] is None and len(auto._shapes(ctx, path)) > 1
 
 
 class RotatingPolicy(FixedPolicy):
     """Fixed, but the path turns every step: head -> auth, a tree of tiny's -> auth, head -> tiny
-    -> auth, ngram -> auth: the authority's kept features follow chains, trees and skipped steps."""
+    -> auth, a tree of the head's -> auth, ngram -> auth: the authority's kept features and the
+    head's entries follow chains, trees and skipped steps."""
 
     PLANS = [(("head", "auth"), {}), (("tiny", "auth"), {"tiny": (2, 2, 1)}), (("head", "tiny", "auth"), {}),
-             (("ngram", "auth"), {})]
+             (("head", "auth"), {"head": (2, 2, 1)}), (("ngram", "auth"), {})]
 
     def __init__(self, lookahead):
         super().__init__(lookahead=lookahead)

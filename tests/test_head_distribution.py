@@ -40,12 +40,13 @@ def setup(tmp_path_factory):
     return root
 
 
-def topology(root, path: list[str]) -> str:
+def topology(root, path: list[str], tree: list[int] | None = None) -> str:
     levels = [{"name": "head", "kind": "head", "model": str(root / "head"), "features_of": "auth"}]
     levels += [{"name": n, "model": str(root / n), "dtype": "float64", "device": "cpu"} for n in path[1:]]
     lookahead = {"head": 3, "small": 3}
-    data = {"levels": levels, "policy": {"name": "fixed", "params": {"lookahead": {n: lookahead[n] for n in path[:-1]}}}}
-    return str(write_topology(root / f"{'-'.join(path)}.yaml", data))
+    params = {"lookahead": {n: lookahead[n] for n in path[:-1]}, **({"tree": {"head": tree}} if tree else {})}
+    data = {"levels": levels, "policy": {"name": "fixed", "params": params}}
+    return str(write_topology(root / f"{'-'.join(path)}{'-tree' if tree else ''}.yaml", data))
 
 
 def exact_pairs(model_dir) -> dict:
@@ -64,7 +65,8 @@ def draw(topo: str, n: int, seed: int, edge: str = "head->auth"):
     counts = Counter(tuple(g.token_ids[:2]) for g in results)
     edges = [g.stats.edges[edge] for g in results if edge in g.stats.edges]
     proposed, accepted = sum(e.proposed for e in edges), sum(e.accepted for e in edges)
-    return counts, proposed, accepted
+    siblings = sum(sum(e.accepted_by_rank[1:]) for e in edges)  # a tree's second choices and below, taken
+    return counts, proposed, accepted, siblings
 
 
 def check(counts, expected, n, tv_bound):
@@ -77,7 +79,7 @@ def check(counts, expected, n, tv_bound):
 def test_head_then_authority_is_exact(setup):
     """100k draws (about 130 s on one core of the development machine)."""
     n = 100_000
-    counts, proposed, accepted = draw(topology(setup, ["head", "auth"]), n, seed=1)
+    counts, proposed, accepted, _ = draw(topology(setup, ["head", "auth"]), n, seed=1)
     assert 0.2 < accepted / proposed < 0.9  # the head drafts, the authority accepts some, rejects some
     check(counts, exact_pairs(setup / "auth"), n, 0.014)
 
@@ -86,9 +88,30 @@ def test_head_drafting_for_a_drafter_is_exact(setup):
     """head -> small -> auth: within a step the head drafts past the authority's features (the
     drafter's tokens), feeding its own predictions there."""
     n = 20_000
-    counts, proposed, accepted = draw(topology(setup, ["head", "small", "auth"]), n, seed=2, edge="head->small")
+    counts, proposed, accepted, _ = draw(topology(setup, ["head", "small", "auth"]), n, seed=2, edge="head->small")
     assert proposed > n and 0 < accepted < proposed
     check(counts, exact_pairs(setup / "auth"), n, 0.03)
+
+
+def test_a_heads_tree_is_exact(setup):
+    """The head grows a tree of its top candidates (3 wide, then 2, then 1), the authority
+    verifies it with the matching rule: 100k draws, second and third choices taken."""
+    n = 100_000
+    counts, proposed, accepted, siblings = draw(topology(setup, ["head", "auth"], tree=[3, 2, 1]), n, seed=4)
+    assert siblings > n / 20 and 0 < accepted < proposed
+    check(counts, exact_pairs(setup / "auth"), n, 0.014)
+
+
+def test_a_heads_tree_without_the_residual_fails(setup, monkeypatch):
+    """Its negative control: siblings tried against the unmodified row (tests/draws.py)."""
+    import cascade.engine
+    from draws import trees_without_residual
+
+    monkeypatch.setattr(cascade.engine, "_tree_verdicts", trees_without_residual)
+    n = 20_000
+    counts, _, _, _ = draw(topology(setup, ["head", "auth"], tree=[3, 2, 1]), n, seed=5)
+    _, pvalue = chi_square_pvalue(counts, exact_pairs(setup / "auth"), n)
+    assert pvalue < 1e-9
 
 
 def test_draft_probs_that_are_not_what_the_head_sampled_from_fail(setup, monkeypatch):
@@ -104,6 +127,6 @@ def test_draft_probs_that_are_not_what_the_head_sampled_from_fail(setup, monkeyp
 
     monkeypatch.setattr(workers.head.HeadWorker, "draft", misreported)
     n = 20_000
-    counts, _, _ = draw(topology(setup, ["head", "auth"]), n, seed=3)
+    counts, _, _, _ = draw(topology(setup, ["head", "auth"]), n, seed=3)
     _, pvalue = chi_square_pvalue(counts, exact_pairs(setup / "auth"), n)
     assert pvalue < 1e-9

@@ -434,8 +434,8 @@ def test_feature_heads_under_ray_give_the_local_tokens(head_cascades, head_topo,
     """A head lives in its source's actor (no actor or bundle of its own), or in the driver
     beside a source there: greedy output equals plain decoding and the in-process backend's on
     head -> auth, head -> tiny -> auth (the remote head drafting for a level in the driver) and
-    thead -> tiny -> auth (a head reading the middle level, in the driver), batched; sampled
-    output equals the in-process backend's."""
+    thead -> tiny -> auth (a head reading the middle level, in the driver), batched, and with a
+    tree of the remote head's; sampled output equals the in-process backend's."""
     from cascade.backends.ray import RayHeadWorker, level_bundles
     from cascade.topology import load_topology
     from hf_util import prompts_from_text, reference_greedy
@@ -458,6 +458,14 @@ def test_feature_heads_under_ray_give_the_local_tokens(head_cascades, head_topo,
         assert [g.token_ids for g in local.generate(prompts, max_new_tokens=24, temperature=0.0, policy=policy,
                                                     batch_size=2)] == want, path
         assert got[0].stats.edges[f"{path[0]}->{path[1]}"].proposed > 0
+    # the remote head grows a tree in its actor (one call), the authority scores it there
+    policy = FixedPolicy(lookahead=HEAD_LOOKAHEAD, path=["head", "auth"], tree={"head": [2, 2, 1]})
+    got = remote.generate(prompts, max_new_tokens=24, temperature=0.0, policy=policy, batch_size=2)
+    assert [g.token_ids for g in got] == want and got[0].stats.edges["head->auth"].tree_nodes > 0
+    assert info["head"]["drafts_trees"] is True
+    sampled = dict(max_new_tokens=24, temperature=0.9, seed=5, policy=policy)
+    assert [g.token_ids for g in remote.generate(prompts, **sampled)] == \
+        [g.token_ids for g in local.generate(prompts, **sampled)]
     policy = FixedPolicy(lookahead=HEAD_LOOKAHEAD, path=["head", "tiny", "auth"])
     kwargs = dict(max_new_tokens=24, temperature=0.9, seed=4, policy=policy)
     assert [g.token_ids for g in remote.generate(prompts, **kwargs)] == \

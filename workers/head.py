@@ -27,6 +27,12 @@ samples (:meth:`workers.base.Worker.draft`: the same sampling, uniforms and stop
 ``probs`` are the rows it sampled from: the exactness argument needs nothing else
 (cascade/DESIGN.md §2). A head only proposes: it cannot verify (``can_score = False``).
 
+**Trees** (:meth:`HeadWorker.draft_tree`, as EAGLE-2 grows them): the head's own entries up to the
+last token, then one batched pass per depth over the new frontier, each node fed its parent's
+predicted feature and attending to the committed entries and its own ancestors only. A node's
+children are the tokens its row ranks highest (:func:`workers.base.grow_children`, the rule every
+model level's trees use), so the engine verifies a head's tree exactly as a drafter's.
+
 **The hand-off** (:func:`hand_features`, called by the engine before a head drafts): the head
 says from which position it lacks features (:meth:`HeadWorker.features_needed`), its source
 returns them (:meth:`workers.hf.HFWorker.features`: what its passes kept, no extra pass, except a
@@ -44,7 +50,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from workers.base import Worker, common_prefix
+from workers.base import Worker, common_prefix, grow_children
 from workers.draft_vocab import DraftVocab
 from workers import few_rows
 from workers.lean import few_rows_now, linear_product, packable
@@ -224,6 +230,28 @@ class _HeadSeq:
         self.real = min(self.real, n)
 
 
+@dataclass
+class _TreeGrowth:
+    """One sequence's tree while :meth:`HeadWorker.draft_tree` grows it: the nodes fed so far
+    (their predicted features and keys/values, in feeding order; ``slot[node]`` indexes them)."""
+
+    state: _HeadSeq
+    tree: tuple[list[int], list[int]]
+    widths: list[int]
+    frontier: list[int] = field(default_factory=list)
+    slot: dict[int, int] = field(default_factory=dict)
+    out: list[torch.Tensor] = field(default_factory=list)
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    def depth(self, node: int) -> int:
+        """1 for the root's children."""
+        parents, d = self.tree[1], 1
+        while parents[node] >= 0:
+            node, d = parents[node], d + 1
+        return d
+
+
 class _PassCache:
     """The head layer's cache for one batched pass: the rows' past keys/values (left-padded),
     with the pass's new ones appended; keeps the new ones for the sequences' own caches."""
@@ -375,6 +403,80 @@ class HeadWorker(Worker):
             self._pass(runs, states)
         hidden = torch.stack([state.out[-1] for state, _ in states])
         return list(self._logits(hidden)[:, None])
+
+    @torch.inference_mode()
+    def draft_tree(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
+                   widths: Sequence[Sequence[int]]) -> list[tuple[list[int], list[int]]]:
+        """:meth:`Worker.draft_tree` as EAGLE-2 grows one: the head's entries up to each
+        sequence's last token first (as :meth:`draft` feeds them), then one batched pass per
+        depth over every node of the new frontier, each fed its parent's predicted feature (the
+        root's children: the last entry's) and attending to the sequence's entries and its own
+        ancestors. The nodes' entries live for this call only: the head's cache afterwards
+        holds the sequences' entries, as after :meth:`draft`."""
+        trees: list[tuple[list[int], list[int]]] = [([], []) for _ in seq_ids]
+        grow = [b for b in range(len(seq_ids)) if widths[b]]
+        if not grow:
+            return trees
+        roots = self._next_logits([seq_ids[b] for b in grow], [token_ids[b] for b in grow])
+        grown = [_TreeGrowth(self._seqs[seq_ids[b]], trees[b], list(widths[b])) for b in grow]
+        for g, rows in zip(grown, roots):
+            g.frontier = grow_children(g.tree, [-1], rows, g.widths[0])
+        for depth in range(1, max(len(g.widths) for g in grown)):
+            growing = [g for g in grown if depth < len(g.widths) and g.frontier]
+            if not growing:
+                break
+            rows = self._logits(self._tree_pass(growing))
+            at = 0
+            for g in growing:
+                n = len(g.frontier)
+                g.frontier = grow_children(g.tree, g.frontier, rows[at:at + n], g.widths[depth])
+                at += n
+        return trees
+
+    def _tree_pass(self, growing: list["_TreeGrowth"]) -> torch.Tensor:
+        """One batched head pass over each growth's frontier nodes (their entries join the
+        growth's); their predicted features ``[sum of frontiers, hidden]``, in order."""
+        dev, dtype = self.device, self.dtype
+        width = max(len(g.frontier) for g in growing)
+        past = max(len(g.state.tokens) for g in growing)
+        held = max(len(g.out) for g in growing)
+        attn = self.head.layer.self_attn
+        kv_heads = self.head.config.num_key_value_heads
+        feats = torch.zeros(len(growing), width, self.hidden_size, device=dev, dtype=dtype)
+        ids = torch.zeros(len(growing), width, dtype=torch.long, device=dev)
+        positions = torch.zeros(len(growing), width, dtype=torch.long, device=dev)
+        mask = torch.zeros(len(growing), 1, width, past + held + width, dtype=torch.bool, device=dev)
+        mask[:, 0, :, past + held:] = torch.eye(width, dtype=torch.bool, device=dev)  # itself (pads too)
+        keys = torch.zeros(len(growing), kv_heads, past + held, attn.head_dim, device=dev, dtype=dtype)
+        values = torch.zeros_like(keys)
+        for r, g in enumerate(growing):
+            c, tokens, parents = len(g.state.tokens), *g.tree
+            keys[r, :, past - c:past] = g.state.keys
+            values[r, :, past - c:past] = g.state.values
+            if g.out:
+                keys[r, :, past:past + len(g.out)] = torch.cat(g.keys, dim=1)
+                values[r, :, past:past + len(g.out)] = torch.cat(g.values, dim=1)
+            for j, node in enumerate(g.frontier):
+                parent = parents[node]
+                feats[r, j] = g.state.out[-1] if parent < 0 else g.out[g.slot[parent]]
+                ids[r, j] = tokens[node]
+                positions[r, j] = c + g.depth(node) - 1  # the root's children sit at position c
+                mask[r, 0, j, past - c:past] = True
+                while parent >= 0:  # its ancestors among the nodes fed so far
+                    mask[r, 0, j, past + g.slot[parent]] = True
+                    parent = parents[parent]
+        cache = _PassCache(keys, values)
+        out = self.head(feats, self.embed(ids), positions, mask, cache)
+        new_keys, new_values = cache.new
+        rows = []
+        for r, g in enumerate(growing):
+            for j, node in enumerate(g.frontier):
+                g.slot[node] = len(g.out)
+                g.out.append(out[r, j])
+                g.keys.append(new_keys[r, :, j:j + 1])
+                g.values.append(new_values[r, :, j:j + 1])
+                rows.append(out[r, j])
+        return torch.stack(rows)
 
     def _run(self, state: _HeadSeq, toks: list[int]) -> tuple[list[int], torch.Tensor, int]:
         """What the next pass can feed a sequence: its next entries' tokens, their input features

@@ -139,6 +139,7 @@ class LevelActor:
             "vocab_size": worker.vocab_size,
             "context_length": getattr(worker, "context_length", None),
             "can_score": worker.can_score,
+            "drafts_trees": worker.drafts_trees,
         }
 
     def _worker(self, level: str | None) -> Worker:
@@ -248,6 +249,7 @@ class RayWorker(Worker):
         self.vocab_size = int(info["vocab_size"])
         self.context_length = info.get("context_length")
         self.can_score = bool(info.get("can_score", True))
+        self.drafts_trees = bool(info.get("drafts_trees", self.can_score))
         self.call_timeout_s = call_timeout_s
         self.wire = WireStats()
         self._sent: dict[str, list[int]] = {}  # what the actor was last sent, per sequence

@@ -120,7 +120,7 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
     for d in [lv.name for lv in topo.spec.levels if lv.name in into]:
         path = (d, authority)
         configs.append(make.cascade(f"cascade:{d}->{authority}", path, make.fixed_spec(path)))
-        if workers[d].can_score:
+        if workers[d].drafts_trees:
             for widths in trees:
                 shape = ", ".join(map(str, widths))
                 configs.append(make.cascade(f"cascade:{d}->{authority}:tree{'x'.join(map(str, widths))}", path,
