@@ -373,6 +373,9 @@ class Engine:
             if tree.size:
                 s.record.edge(drafter, level, tree.max_depth, verdict.accepted)
                 s.record.tree(drafter, level, tree, verdict)
+            # the level keeps the accepted path's entries (its next call settles the tree), so a
+            # feature head's hand-off and the next pass are priced as what it really computes
+            s.state.level_tokens[level] = prefixes[a] + list(verdict.emitted[:verdict.accepted])
             taken = list(verdict.rows)
             s.emit(level, list(verdict.emitted), rows[a][taken], [drafter] * verdict.accepted + [level],
                    None if logits is None else logits[a][taken], stop)

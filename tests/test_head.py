@@ -349,6 +349,9 @@ def test_greedy_identity_with_a_heads_tree(models, tmp_path, tokenizer, head):
         assert g.token_ids == want and b.token_ids == want
     edges = [g.stats.edges["head->auth"] for g in solo]
     assert all(e.tree_nodes > 0 for e in edges)
+    # one authority pass a step, plus the prompt's features before the first: the hand-off after
+    # a tree reads the accepted path's features the tree pass kept, and is not priced as a pass
+    assert all(g.stats.levels["auth"].forward_passes <= g.stats.steps + 1 for g in solo)
     if head == "copy":
         assert all(e.accepted == e.proposed and sum(e.accepted_by_rank[1:]) == 0 for e in edges)
 

@@ -119,8 +119,10 @@ def _assert_plain_greedy(c, model, tok, label):
     return results
 
 
-def test_the_shipped_feature_head_keeps_plain_greedy_decoding(authority, tmp_path):
-    """topologies/smollm2-head.yaml: the shipped feature head drafts for the float32 authority."""
+@pytest.mark.parametrize("tree", [None, [3, 2, 1]], ids=["chain", "tree"])
+def test_the_shipped_feature_head_keeps_plain_greedy_decoding(authority, tmp_path, tree):
+    """topologies/smollm2-head.yaml: the shipped feature head drafts chains and trees for the
+    float32 authority."""
     import yaml
 
     from cascade import Cascade
@@ -133,7 +135,10 @@ def test_the_shipped_feature_head_keeps_plain_greedy_decoding(authority, tmp_pat
             level["model"] = str((root / "topologies" / level["model"]).resolve())
         if level.get("kind") != "head" and "model" in level:
             level["dtype"] = "float32"
-    data["policy"] = {"name": "fixed", "params": {"path": ["head", "smollm2"], "lookahead": 3}}
+    params = {"path": ["head", "smollm2"], "lookahead": 3, **({"tree": {"head": tree}} if tree else {})}
+    data["policy"] = {"name": "fixed", "params": params}
     with Cascade.from_topology(write_topology(tmp_path / "head.yaml", data)) as c:
         for g in _assert_plain_greedy(c, model, tok, "head"):
-            assert g.stats.edges["head->smollm2"].accepted > 0
+            edge = g.stats.edges["head->smollm2"]
+            assert edge.accepted > 0
+            assert (edge.tree_nodes > 0) == bool(tree)
