@@ -16,18 +16,19 @@
 # (the drafters'), bf16. STEPS fixes the cosine schedule: keep it (and the records) unchanged
 # across resumes; MINUTES caps the training time (the schedule then follows time).
 #
-# Sized by measurement (2-core AMD EPYC, AVX2 only, float32, nice 19, beside other work,
-# 2026-12-02): the features cost ~100-185 tokens/s on one thread (131,899 recorded tokens: 14
-# minutes, 146 MB), training ~300-500 positions/s (8 x 256 a step; one thread was faster than
-# two on the busy machine), the held-out figures at the end ~2 minutes. The default 600 steps
-# are 1.2M positions, ~10 passes over the 119k training tokens: 40-70 minutes.
+# Sized by measurement: on a 2-core AMX Xeon (bf16 autocast, one thread, beside train.sh on the
+# other core, 2026-12-04) the features cost ~1,300 tokens/s (2.05M recorded tokens: ~25 minutes,
+# 2.3 GB) and training ~2,700 positions/s (8 x 256 a step); the defaults (MINUTES=56, the
+# schedule following time) trained the shipped head: ~4.6 passes over 1.95M training tokens. On
+# an AVX2-only CPU in float32 both are ~5-10x slower (2026-12-02: 100-185 tokens/s, 300-500
+# positions/s).
 set -euo pipefail
 
 cd "$(dirname "$0")/../../.."
 WORK=${SMOLLM2_WORK:-$HOME/.cache/cascade/work/smollm2}
-STEPS=${STEPS:-600}
+STEPS=${STEPS:-100000}
 WARMUP=${WARMUP:-60}
-MINUTES=${MINUTES:-}
+MINUTES=${MINUTES:-56}
 NOISE=${NOISE:-0}
 THREADS=${THREADS:-1}
 mkdir -p "$WORK/head-train"

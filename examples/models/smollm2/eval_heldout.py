@@ -1,0 +1,82 @@
+"""Score drafters and feature heads on the held-out shards of recorded conversations, side by side
+(what `cascade distill` reports at the end of a run, for folders trained on other records too).
+
+    python examples/models/smollm2/eval_heldout.py examples/models/smollm2/draft-s other/draft-s
+    python examples/models/smollm2/eval_heldout.py --head examples/models/smollm2/head other/head
+
+Drafters: held-out KL to the recorded top-16, top-1 agreement, expected acceptance of one drafted
+token at T = 1 (cascade.train.records.evaluate). Heads (--head): the same on the cached features,
+and greedy drafting from their own predicted features at 256 starts in the answers, depth 3
+(cascade.train.head.draft_acceptance). Every folder is scored on the same shards, so a folder
+trained on fewer records is scored on shards it never saw.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+WORK = Path(os.environ.get("SMOLLM2_WORK", Path.home() / ".cache/cascade/work/smollm2"))
+
+
+def rounded(d: dict) -> dict:
+    r = lambda v: round(v, 4) if isinstance(v, float) else [r(x) for x in v] if isinstance(v, list) else v  # noqa: E731
+    return {k: r(v) for k, v in d.items()}
+
+
+def drafters(folders: list[str], records: Path) -> None:
+    from transformers import AutoModelForCausalLM
+    from cascade.train.records import RecordSampler, evaluate, load_records
+    from workers.draft_vocab import DraftVocab
+
+    held = load_records(records, held_out=True)
+    print(f"held out: {held.tokens.numel():,} tokens", flush=True)
+    for folder in folders:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        sampler = RecordSampler(held, DraftVocab.load(folder), 256, 8)
+        print(folder, rounded(evaluate(model, sampler)), flush=True)
+
+
+def heads(folders: list[str], records: Path, authority: str) -> None:
+    from transformers import AutoModelForCausalLM
+    from cascade.pull import PULLED, resolve_pulled
+    from cascade.train.corpus import load_tokenizer
+    from cascade.train.head import (HeadObjective, HeadSampler, answer_starts, draft_acceptance, evaluate_head,
+                                    generation_prompt, load_head_data)
+    from workers.draft_vocab import DraftVocab
+    from workers.head import FeatureHead
+
+    path = str(resolve_pulled(authority)) if authority.startswith(PULLED) else authority
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    held = load_head_data(records, records / "features", held_out=True)
+    answers = answer_starts(held, generation_prompt(load_tokenizer(path)))
+    embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    for folder in folders:
+        vocab = DraftVocab.load(folder)
+        rms = json.loads((Path(folder) / "training.json").read_text())["feature_rms"]
+        ids = None if vocab is None else torch.as_tensor(vocab.ids)
+        objective = HeadObjective(embed, lm_head, ids, "cpu", feature_rms=rms)
+        head = FeatureHead.from_pretrained(folder, dtype=torch.float32).eval()
+        print(folder, rounded(evaluate_head(head, objective, HeadSampler(held, 256, 8))), flush=True)
+        drafting = draft_acceptance(head, objective, model, held, starts=256, answers=answers)
+        print(folder, "greedy drafting in the answers", rounded(drafting), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folders", nargs="+")
+    ap.add_argument("--head", action="store_true", help="the folders are feature heads")
+    ap.add_argument("--records", type=Path, default=WORK / "record", help="what cascade record wrote")
+    ap.add_argument("--authority", default="pulled:smollm2-135m-instruct")
+    args = ap.parse_args()
+    if args.head:
+        heads(args.folders, args.records, args.authority)
+    else:
+        drafters(args.folders, args.records)
+
+
+if __name__ == "__main__":
+    main()
