@@ -326,8 +326,9 @@ class Engine:
                 verdicts = _verdicts(sampling, [b.tokens for b in blocks], [b.probs() for b in blocks],
                                      target_probs, draws)
                 for a, (s, b, verdict) in enumerate(zip(active, blocks, verdicts)):
-                    if b.tokens:
-                        s.record.edge(plan.path[i - 1], level, len(b.tokens), verdict.accepted)
+                    if b.tokens:  # the first level's block may be its stand-in's
+                        proposer = b.origins[0] if i == 1 else plan.path[i - 1]
+                        s.record.edge(proposer, level, len(b.tokens), verdict.accepted)
                     tokens = b.tokens[: verdict.accepted] + [verdict.next_token]
                     origins = b.origins[: verdict.accepted] + [level]  # accepted drafts keep theirs
                     s.emit(level, tokens, target_probs[a], origins,  # commit to this level's block
@@ -390,6 +391,16 @@ class Engine:
         asked = [b for b in blocks if b.budget > 0]
         if asked:
             self._extend(asked, i - 1, plan, policy)
+            stand_in = plan.stand_in.get(plan.path[0]) if i == 1 else None
+            idle = [(b, s) for b, s in zip(blocks, seqs) if b.budget > 0 and not b.tokens] if stand_in else []
+            if idle:  # nothing proposed (prompt lookup without a match): the stand-in drafts instead
+                k = plan.lookahead.get(stand_in, lookahead)
+                for b, s in idle:
+                    b.budget, b.stopped = min(k, s.budget - len(s.tokens) - 1), False
+                idle = [b for b, _ in idle if b.budget > 0]
+                if idle:
+                    self._draft(idle, stand_in, self._sampling(idle[0].state, stand_in), plan.stop.get(stand_in),
+                                policy)
         return blocks
 
     def _hand_features(self, level: str, seqs: list[_Seq], policy: Policy) -> None:

@@ -57,6 +57,9 @@ class EscalationParams(CostParams):
     warmup: Annotated[Int, Field(ge=0)] = Field(2, description="Probe rounds (every path once) at the start.")
     switch_margin: Unit = Field(0.05, description="Leave the current path only for one priced this much cheaper.")
     probe_every: Annotated[Int, Field(ge=1)] = Field(128, description="Steps between probe rounds, at first.")
+    stand_in: StrictBool = Field(
+        True, description="Where the chosen path is prompt lookup straight into the authority, let the model "
+        "proposer priced cheapest (if it beats the authority alone) draft the steps where prompt lookup has no match.")
     pool_weight: Annotated[Float, Field(ge=0.0, le=1e6)] = Field(
         20.0, description="Observations' worth of the verifier's pooled acceptance in each edge's estimate "
         "(the other edges of its kind into that verifier; at most what they have seen).")
@@ -297,6 +300,7 @@ class EscalationPolicy(CostAwarePolicy):
         self._prices: dict[tuple, tuple[int, object]] = {}  # key -> (plan number when priced, prices)
         self.trees = [tuple(t) for t in p.trees]
         self._tree_turn: dict[tuple[str, ...], int] = {}  # probes of a path go round its chain and trees
+        self._stand_in: tuple[str, int] | None = None  # the last exploit's stand-in for prompt lookup
 
     def _shapes(self, ctx: PlanContext, path: tuple[str, ...]) -> list[tuple[int, ...] | None]:
         """The first edge's choices on ``path``: a chain (None), or a tree of each shape where
@@ -405,7 +409,45 @@ class EscalationPolicy(CostAwarePolicy):
         elif self._judge_round:
             self._interval = min(2 * self._interval, float(self.probe_every * self.probe_backoff))
         self._judge_round = False
+        self._stand_in = self._stand_in_for(ctx, path, priced, max_lookahead)
         return path, priced[path][1], "exploit", priced[path][2]
+
+    def _stand_in_for(self, ctx: PlanContext, path: tuple[str, ...], priced, max_lookahead: int
+                      ) -> tuple[str, int] | None:
+        """(level, lookahead) that drafts in prompt lookup's place on ``path`` (an n-gram level
+        straight into the authority) at the steps where it finds nothing to propose: the model
+        proposer whose own chain into the authority is priced cheapest, if that beats the
+        authority alone. Prompt lookup is priced by its acceptance where it proposes, so at the
+        many steps of a chat where it has no match the step would otherwise be the authority's
+        one-token pass."""
+        kinds = self.estimates.kinds
+        if not self.params.stand_in or len(path) != 2 or kinds.get(path[0]) != "ngram":
+            return None
+        best = None
+        for p, (cost, lookahead, shape) in priced.items():
+            if len(p) != 2 or kinds.get(p[0]) == "ngram":
+                continue
+            if shape is not None:  # a stand-in drafts a chain: price that
+                cost, lookahead = self._estimates().path_cost(p, max_lookahead, batch=ctx.batch_size)
+            if lookahead.get(p[0], 0) > 0 and (best is None or cost < best[0]):
+                best = (cost, p[0], lookahead[p[0]])
+        alone = priced.get((ctx.authority,))
+        if best is None or alone is None or best[0] * (1 + self.draft_margin) >= alone[0]:
+            return None
+        return best[1], best[2]
+
+    def _with_stand_in(self, ctx: PlanContext, plan: StepPlan, kind: str) -> StepPlan:
+        """``plan`` with the stand-in :meth:`_choose` picked, where the plan still starts with
+        that n-gram level and drafts no tree."""
+        pick = self._stand_in if kind == "exploit" else None
+        if pick is None or len(plan.path) != 2 or plan.tree or pick[0] not in ctx.available:
+            return plan
+        level, k = pick
+        stop = dict(plan.stop)
+        if isinstance(self, AutoPolicy) and self.stop:
+            stop[level] = self._stop_rule(ctx, (level, plan.path[1]))
+            k = k if self.verify_budget is not None else max(k, self.max_lookahead)
+        return StepPlan(plan.path, {**plan.lookahead, level: k}, stop, plan.tree, {plan.path[0]: level})
 
     def _new_request(self, candidates: list[tuple[str, ...]]) -> None:
         """A new request (at batch 1) is a new text. Prompt lookup's acceptance belongs to the
@@ -452,8 +494,9 @@ class EscalationPolicy(CostAwarePolicy):
         return paths
 
     def plan(self, ctx: PlanContext) -> StepPlan:
-        path, lookahead, _, shape = self._choose(ctx, self.max_lookahead)
-        return _with_tree(self._under_load(ctx, path, lookahead), path, shape, self.verify_budget, ctx.batch_size)
+        path, lookahead, kind, shape = self._choose(ctx, self.max_lookahead)
+        plan = _with_tree(self._under_load(ctx, path, lookahead), path, shape, self.verify_budget, ctx.batch_size)
+        return self._with_stand_in(ctx, plan, kind)
 
     def observe(self, feedback: StepFeedback) -> None:
         self.steps += 1
@@ -503,12 +546,12 @@ class AutoPolicy(EscalationPolicy):
             if treed.tree:
                 return treed
         if not self.stop or kind == "explore" or len(plan.path) < 2:
-            return plan
+            return self._with_stand_in(ctx, plan, kind)
         first = plan.path[0]
         lookahead = dict(plan.lookahead)
         if self.verify_budget is None:
             lookahead[first] = max(lookahead[first], self.max_lookahead)
-        return StepPlan(plan.path, lookahead, {first: self._stop_rule(ctx, plan.path)})
+        return self._with_stand_in(ctx, StepPlan(plan.path, lookahead, {first: self._stop_rule(ctx, plan.path)}), kind)
 
     def _stop_rule(self, ctx: PlanContext, path: tuple[str, ...]) -> CalibratedStop:
         estimates = self._estimates()

@@ -19,6 +19,11 @@ class FixedParams(PathParams):
         description="level -> widths per depth, e.g. {draft: [3, 2, 1]}: where that level is the path's first, it "
                     "drafts a tree of its top candidates (widths[d] below every node at depth d) instead of a block, "
                     "verified in one pass by the next level.")
+    stand_in: dict[LevelName, LevelName] = Field(
+        default_factory=dict,
+        description="level -> level, e.g. {ngram: head}: where the first level of the path proposes nothing for a "
+                    "sequence (prompt lookup without a match), the second drafts that sequence's block in its place "
+                    "(with its own lookahead); it needs an edge into the path's next level.")
 
 
 class FixedPolicy(Policy):
@@ -28,6 +33,8 @@ class FixedPolicy(Policy):
       lookahead: int for every proposing level, or a mapping level -> int (default 4).
       path: list of level names ending at the authority (default: the longest path).
       tree: mapping level -> widths per depth; that level drafts trees where it starts the path.
+      stand_in: mapping level -> level; the second drafts where the first, starting the path,
+        proposes nothing.
 
     ``lookahead`` may also be passed positionally: ``FixedPolicy(3)``, ``FixedPolicy({"tiny": 2})``.
     """
@@ -44,6 +51,7 @@ class FixedPolicy(Policy):
         self.lookahead_param = self.params.lookahead
         self.path_param = list(self.params.path) if self.params.path is not None else None
         self.tree_param = {level: tuple(widths) for level, widths in self.params.tree.items()}
+        self.stand_in_param = dict(self.params.stand_in)
         self._paths: dict[frozenset[str], tuple[str, ...]] = {}
 
     def bind(self, graph: nx.DiGraph, authority: str) -> None:
@@ -59,6 +67,11 @@ class FixedPolicy(Policy):
             raise self.param_error("tree", f"unknown level(s) {sorted(unknown)}; levels: {list(graph.nodes)}")
         if authority in self.tree_param:
             raise self.param_error("tree", f"the authority {authority!r} proposes nothing")
+        unknown = (set(self.stand_in_param) | set(self.stand_in_param.values())) - set(graph.nodes)
+        if unknown:
+            raise self.param_error("stand_in", f"unknown level(s) {sorted(unknown)}; levels: {list(graph.nodes)}")
+        if authority in self.stand_in_param.values():
+            raise self.param_error("stand_in", f"the authority {authority!r} proposes nothing")
 
     def lookahead_for(self, level: str) -> int:
         if isinstance(self.lookahead_param, dict):
@@ -73,7 +86,12 @@ class FixedPolicy(Policy):
             if path is None:
                 path = self._paths[ctx.available] = longest_path(ctx.graph, ctx.authority, ctx.available)
         tree = {path[0]: self.tree_param[path[0]]} if path[0] in self.tree_param and len(path) > 1 else {}
-        return StepPlan(path=path, lookahead={n: self.lookahead_for(n) for n in path[:-1]}, tree=tree)
+        lookahead = {n: self.lookahead_for(n) for n in path[:-1]}
+        stand_in = {}
+        sub = self.stand_in_param.get(path[0]) if len(path) > 1 and not tree else None
+        if sub is not None and sub in ctx.available and ctx.graph.has_edge(sub, path[1]):
+            stand_in, lookahead[sub] = {path[0]: sub}, self.lookahead_for(sub)
+        return StepPlan(path=path, lookahead=lookahead, tree=tree, stand_in=stand_in)
 
 
 def check_path(policy: Policy, graph: nx.DiGraph, authority: str, path: list[str]) -> None:

@@ -407,6 +407,26 @@ def test_greedy_identity_beside_other_drafters(models, tmp_path, tokenizer):
         assert [g.token_ids for g in got] == want
 
 
+@pytest.mark.parametrize("stand_in", ["head", "tiny"])
+def test_greedy_identity_with_a_stand_in_for_prompt_lookup(models, tmp_path, tokenizer, stand_in):
+    """`ngram -> auth` with a stand-in: where prompt lookup finds no match, the head (or the
+    drafter) drafts that step's block instead — alone and in a batch, the output is plain greedy
+    decoding's, both edges propose, and the stand-in's blocks are counted on its own edge."""
+    prompts = prompts_from_text(tokenizer, 3)
+    lookahead = {"ngram": 3, "head": 3, "tiny": 3}
+    want = [reference_greedy(models / "auth", p, 40) for p in prompts]
+    topo = mixed_topology(models, tmp_path, {"name": "fixed", "params": {"lookahead": lookahead}})
+    with Cascade.from_topology(topo) as c:
+        policy = FixedPolicy(lookahead=lookahead, path=["ngram", "auth"], stand_in={"ngram": stand_in})
+        solo = [c.generate(p, max_new_tokens=40, temperature=0.0, policy=policy) for p in prompts]
+        batched = c.generate(prompts, max_new_tokens=40, temperature=0.0, policy=policy, batch_size=3)
+    assert [g.token_ids for g in solo] == want and [g.token_ids for g in batched] == want
+    for g in solo + batched:
+        edge = g.stats.edges[f"{stand_in}->auth"]
+        assert edge.proposed > 0 and g.stats.levels[stand_in].tokens_proposed == edge.proposed
+    assert sum(g.stats.edges["ngram->auth"].proposed for g in solo if "ngram->auth" in g.stats.edges) > 0
+
+
 def test_greedy_identity_head_reading_a_middle_level(models, tmp_path, tokenizer):
     """A head may read any hf level: here the drafter it drafts for."""
     prompts = prompts_from_text(tokenizer, 2)

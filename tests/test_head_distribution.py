@@ -49,6 +49,18 @@ def topology(root, path: list[str], tree: list[int] | None = None) -> str:
     return str(write_topology(root / f"{'-'.join(path)}{'-tree' if tree else ''}.yaml", data))
 
 
+def stand_in_topology(root) -> str:
+    """``ngram -> auth`` with the head standing in where prompt lookup finds no match (on the
+    first token always: the prompt's last token appears once)."""
+    levels = [{"name": "ngram", "kind": "ngram", "params": {"max_ngram": 1, "min_ngram": 1}},
+              {"name": "head", "kind": "head", "model": str(root / "head"), "features_of": "auth"},
+              {"name": "auth", "model": str(root / "auth"), "dtype": "float64", "device": "cpu"}]
+    params = {"path": ["ngram", "auth"], "lookahead": {"ngram": 2, "head": 3}, "stand_in": {"ngram": "head"}}
+    data = {"levels": levels, "edges": [["ngram", "auth"], ["head", "auth"]],
+            "policy": {"name": "fixed", "params": params}}
+    return str(write_topology(root / "stand-in.yaml", data))
+
+
 def exact_pairs(model_dir) -> dict:
     """The authority's distribution of the first two tokens (T = 1), by enumeration."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
@@ -58,11 +70,15 @@ def exact_pairs(model_dir) -> dict:
     return {(a, b): float(first[a] * second[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
 
 
-def draw(topo: str, n: int, seed: int, edge: str = "head->auth"):
+def draw(topo: str, n: int, seed: int, edge: str = "head->auth", also: list | None = None):
+    """(counts of the first two tokens, proposed and accepted on ``edge``, second choices taken);
+    ``also`` gets the proposed count on ``ngram->auth``."""
     with Cascade.from_topology(topo) as c:
         results = c.generate([PROMPT] * n, max_new_tokens=4, temperature=1.0, seed=seed, batch_size=BATCH,
                              coupling="residual")
     counts = Counter(tuple(g.token_ids[:2]) for g in results)
+    if also is not None:
+        also.append(sum(g.stats.edges["ngram->auth"].proposed for g in results if "ngram->auth" in g.stats.edges))
     edges = [g.stats.edges[edge] for g in results if edge in g.stats.edges]
     proposed, accepted = sum(e.proposed for e in edges), sum(e.accepted for e in edges)
     siblings = sum(sum(e.accepted_by_rank[1:]) for e in edges)  # a tree's second choices and below, taken
@@ -128,5 +144,32 @@ def test_draft_probs_that_are_not_what_the_head_sampled_from_fail(setup, monkeyp
     monkeypatch.setattr(workers.head.HeadWorker, "draft", misreported)
     n = 20_000
     counts, _, _, _ = draw(topology(setup, ["head", "auth"]), n, seed=3)
+    _, pvalue = chi_square_pvalue(counts, exact_pairs(setup / "auth"), n)
+    assert pvalue < 1e-9
+
+
+def test_a_stand_in_for_prompt_lookup_is_exact(setup):
+    """``ngram -> auth``, the head drafting where prompt lookup has nothing (every first token,
+    and later ones without a 1-gram match), prompt lookup's one-hot blocks elsewhere: 100k draws."""
+    n = 100_000
+    ngram = []
+    counts, proposed, accepted, _ = draw(stand_in_topology(setup), n, seed=6, also=ngram)
+    assert proposed > n and 0 < accepted < proposed and ngram[0] > n / 10  # both propose
+    check(counts, exact_pairs(setup / "auth"), n, 0.014)
+
+
+def test_a_stand_in_that_misreports_its_draft_probs_fails(setup, monkeypatch):
+    """Its negative control: the standing-in head reports uniform ``draft_probs``."""
+    real = workers.head.HeadWorker.draft
+
+    def misreported(self, *args, **kwargs):
+        drafts = real(self, *args, **kwargs)
+        for d in drafts:
+            d.probs = torch.full_like(d.probs, 1.0 / d.probs.shape[-1])
+        return drafts
+
+    monkeypatch.setattr(workers.head.HeadWorker, "draft", misreported)
+    n = 20_000
+    counts, _, _, _ = draw(stand_in_topology(setup), n, seed=7)
     _, pvalue = chi_square_pvalue(counts, exact_pairs(setup / "auth"), n)
     assert pvalue < 1e-9
