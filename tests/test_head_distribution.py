@@ -130,9 +130,8 @@ def test_a_heads_tree_without_the_residual_fails(setup, monkeypatch):
     assert pvalue < 1e-9
 
 
-def test_draft_probs_that_are_not_what_the_head_sampled_from_fail(setup, monkeypatch):
-    """The negative control: the head samples as before but reports uniform ``draft_probs``; the
-    acceptance rule then favours the head's own likely tokens, and the same test fails decisively."""
+def misreport_head_probs(monkeypatch) -> None:
+    """The head samples as before but reports uniform ``draft_probs``."""
     real = workers.head.HeadWorker.draft
 
     def misreported(self, *args, **kwargs):
@@ -142,6 +141,12 @@ def test_draft_probs_that_are_not_what_the_head_sampled_from_fail(setup, monkeyp
         return drafts
 
     monkeypatch.setattr(workers.head.HeadWorker, "draft", misreported)
+
+
+def test_draft_probs_that_are_not_what_the_head_sampled_from_fail(setup, monkeypatch):
+    """The negative control: the head samples as before but reports uniform ``draft_probs``; the
+    acceptance rule then favours the head's own likely tokens, and the same test fails decisively."""
+    misreport_head_probs(monkeypatch)
     n = 20_000
     counts, _, _, _ = draw(topology(setup, ["head", "auth"]), n, seed=3)
     _, pvalue = chi_square_pvalue(counts, exact_pairs(setup / "auth"), n)
@@ -160,15 +165,7 @@ def test_a_stand_in_for_prompt_lookup_is_exact(setup):
 
 def test_a_stand_in_that_misreports_its_draft_probs_fails(setup, monkeypatch):
     """Its negative control: the standing-in head reports uniform ``draft_probs``."""
-    real = workers.head.HeadWorker.draft
-
-    def misreported(self, *args, **kwargs):
-        drafts = real(self, *args, **kwargs)
-        for d in drafts:
-            d.probs = torch.full_like(d.probs, 1.0 / d.probs.shape[-1])
-        return drafts
-
-    monkeypatch.setattr(workers.head.HeadWorker, "draft", misreported)
+    misreport_head_probs(monkeypatch)
     n = 20_000
     counts, _, _, _ = draw(stand_in_topology(setup), n, seed=7)
     _, pvalue = chi_square_pvalue(counts, exact_pairs(setup / "auth"), n)
