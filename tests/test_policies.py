@@ -628,3 +628,23 @@ def test_a_request_s_lookup_probe_waits_for_its_first_match_while_the_authority_
     current, steps, matched = run(tiny_accepts=3)  # tiny decoding: retries cost its blocks
     assert current == ("tiny", "large")
     assert steps[:9] == [(("ngram", "large"), "probe")] * 9 and steps[9][0] == ("tiny", "large")
+
+
+def test_auto_names_a_stand_in_when_it_takes_prompt_lookup():
+    """Prompt lookup is priced by its acceptance where it proposes: when `auto` takes it, the
+    model drafter whose own edge beats the authority alone drafts the steps it has no match for
+    (`stand_in`); a drafter that does not pay is not named, and `stand_in: false` names none."""
+    graph = nx.DiGraph([("ngram", "large"), ("tiny", "large")])
+    seconds = {"ngram": 1e-6, "tiny": 0.001, "large": 0.040}
+    plans = {}
+    for accepted, enabled in ((3, True), (0, True), (3, False)):
+        policy = bound(AutoPolicy(explore=0.0, warmup=0, probe_every=10**9, stand_in=enabled), graph)
+        policy.estimates.kinds = policy.contexts[True].kinds = policy.contexts[False].kinds = \
+            {"ngram": "ngram", "tiny": "hf", "large": "hf"}
+        teach(policy, ("ngram", "large"), [("ngram", "large", 4, 4)], seconds)
+        teach(policy, ("tiny", "large"), [("tiny", "large", 4, accepted)], seconds)
+        plans[accepted, enabled] = policy.plan(ctx(graph))
+    assert all(p.path == ("ngram", "large") for p in plans.values())
+    assert plans[3, True].stand_in == {"ngram": "tiny"} and plans[3, True].lookahead["tiny"] >= 1
+    assert "tiny" in plans[3, True].stop  # its own calibrated stop
+    assert plans[0, True].stand_in == {} and plans[3, False].stand_in == {}
