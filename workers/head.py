@@ -244,13 +244,6 @@ class _TreeGrowth:
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
 
-    def depth(self, node: int) -> int:
-        """1 for the root's children."""
-        parents, d = self.tree[1], 1
-        while parents[node] >= 0:
-            node, d = parents[node], d + 1
-        return d
-
 
 class _PassCache:
     """The head layer's cache for one batched pass: the rows' past keys/values (left-padded),
@@ -425,7 +418,7 @@ class HeadWorker(Worker):
             growing = [g for g in grown if depth < len(g.widths) and g.frontier]
             if not growing:
                 break
-            rows = self._logits(self._tree_pass(growing))
+            rows = self._logits(self._tree_pass(growing, depth))
             at = 0
             for g in growing:
                 n = len(g.frontier)
@@ -433,9 +426,10 @@ class HeadWorker(Worker):
                 at += n
         return trees
 
-    def _tree_pass(self, growing: list["_TreeGrowth"]) -> torch.Tensor:
-        """One batched head pass over each growth's frontier nodes (their entries join the
-        growth's); their predicted features ``[sum of frontiers, hidden]``, in order."""
+    def _tree_pass(self, growing: list["_TreeGrowth"], depth: int) -> torch.Tensor:
+        """One batched head pass over each growth's frontier nodes, all at ``depth`` (1: the root's
+        children) (their entries join the growth's); their predicted features ``[sum of
+        frontiers, hidden]``, in order."""
         dev, dtype = self.device, self.dtype
         width = max(len(g.frontier) for g in growing)
         past = max(len(g.state.tokens) for g in growing)
@@ -460,7 +454,7 @@ class HeadWorker(Worker):
                 parent = parents[node]
                 feats[r, j] = g.state.out[-1] if parent < 0 else g.out[g.slot[parent]]
                 ids[r, j] = tokens[node]
-                positions[r, j] = c + g.depth(node) - 1  # the root's children sit at position c
+                positions[r, j] = c + depth - 1  # the root's children (depth 1) sit at position c
                 mask[r, 0, j, past - c:past] = True
                 while parent >= 0:  # its ancestors among the nodes fed so far
                     mask[r, 0, j, past + g.slot[parent]] = True
