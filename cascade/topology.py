@@ -63,10 +63,11 @@ class LevelSpec(BaseModel):
     device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto, cpu or cuda:N.")
     trust_remote_code: bool = Field(False, description="Allow the model repo's own code (hf only).")
     packed_weights: bool = Field(
-        True, description="float32 on a CPU: multiply the large weights from a copy laid out for "
-        "the pass — the few-row kernel's blocks (workers/few_rows.py) for passes of up to 32 rows "
-        "at one thread, else oneDNN's prepacked layout with the weights stored column-major for "
-        "one-row passes — faster, for that much memory once more; false saves the memory and "
+        True, description="On a CPU, multiply the weights from a copy laid out for the pass: in "
+        "float32 the few-row kernel's blocks (workers/few_rows.py) for passes of up to 32 rows at "
+        "one thread, else oneDNN's prepacked layout with the weights stored column-major for "
+        "one-row passes; in bfloat16 (where oneDNN computes it natively) oneDNN's prepacked layout "
+        "for every pass — faster, for that much memory once more; false saves the memory and "
         "keeps transformers' products (hf only).")
     resources: Resources = Field(default_factory=Resources, description="Ray resources for this level.")
     sampling: SamplingOverride | None = Field(None, description="Draft-only sampling overrides.")

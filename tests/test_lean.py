@@ -153,6 +153,49 @@ def test_several_row_passes_through_prepacked_weights_keep_float32_products(with
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_bfloat16_products_come_from_prepacked_copies():
+    """In bfloat16, where oneDNN computes it natively, every product of the lean forward and of a
+    small level's own layers (``own_product``) comes from a copy prepacked once, at any size and
+    row count: F.linear's product (up to bf16 rounding), the weight itself left as it is; the
+    packed worker scores like the unpacked one through rollbacks. Elsewhere nothing is packed."""
+    import torch.nn.functional as F
+
+    from workers.lean import _linear_op, _packable, own_product, packable
+
+    torch.manual_seed(0)
+    small = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # e.g. an AVX2-only CPU
+        assert not packable(small.weight) and own_product(small.weight, small.bias) is None
+        pytest.skip("oneDNN computes no bfloat16 here")
+    for module in (small, torch.nn.Linear(576, 1024, bias=False).to(torch.bfloat16)):
+        before = module.weight.detach().clone()
+        products = [_linear_op(module, pack=True), own_product(module.weight, module.bias)]
+        assert torch.equal(module.weight, before) and module.weight.is_contiguous()  # left as it is
+        for rows in (1, 2, 3, 8, 17):
+            x = torch.randn(2, rows, module.in_features).to(torch.bfloat16)
+            with torch.inference_mode():
+                want = F.linear(x, before, module.bias).float()
+                for product in products:
+                    got = product(x)
+                    assert got.shape == want.shape and got.dtype == torch.bfloat16
+                    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+    model = llama(hidden_size=64, intermediate_size=160, vocab_size=97).to(torch.bfloat16)
+    assert _packable(model)
+    packed, plain = HFWorker.from_model(model), HFWorker.from_model(model)
+    plain.lean = lean_forward(model, pack=False)
+    rng = random.Random(2)
+    seqs = [[rng.randrange(97) for _ in range(n)] for n in (5, 17, 9)]
+    for step in range(5):
+        for t in seqs:
+            if step % 2:
+                del t[-1]  # a rejected token rolls back
+            t.extend(rng.randrange(97) for _ in range(1 + step % 4))
+        nums = [1 + step % 4, 1, 2]
+        for a, b in zip(packed.score(["x", "y", "z"], seqs, nums), plain.score(["x", "y", "z"], seqs, nums)):
+            torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+
+
 def test_baselines_run_the_model_as_transformers_loaded_it(without_few_rows):
     """Without the few-row kernel, a worker's lean forward stores the large weights column-major; transformers' own runs of
     that model in the bench, the batch bench and the demo (``as_loaded``) get a row-major copy

@@ -52,8 +52,7 @@ from torch import nn
 
 from workers.base import Worker, common_prefix, grow_children
 from workers.draft_vocab import DraftVocab
-from workers import few_rows
-from workers.lean import few_rows_now, linear_product, packable
+from workers.lean import linear_product, own_product, packable
 
 CONFIG = "head_config.json"
 WEIGHTS = "model.safetensors"
@@ -275,9 +274,8 @@ class HeadWorker(Worker):
     def __init__(self, head: FeatureHead, embed: nn.Module, lm_head: nn.Module, features_of: str | None = None,
                  draft_vocab: DraftVocab | None = None):
         self.head = head.eval()
-        for module in self.head.modules():  # its layer's products through the few-row kernel, where it applies
-            if (isinstance(module, nn.Linear) and few_rows_now()
-                    and (product := few_rows.product(module.weight, module.bias))):
+        for module in self.head.modules():  # its layer's products: prepacked in bf16, the few-row kernel in float32
+            if isinstance(module, nn.Linear) and (product := own_product(module.weight, module.bias)):
                 module.forward = product
         self.embed, self.lm_head = embed, lm_head
         self.features_of = features_of
