@@ -4,8 +4,8 @@ verification makes), so that drafters can be sized against the authority on *thi
 
 Speculation pays when scoring a block costs little more than scoring one token (the weights are
 read once either way); how much more depends on the processor and the dtype (bf16 differs
-between a CPU with AMX and one without). Widths are measured interleaved, in a fresh random
-order each repeat, and reported as median (min–max) over the repeats, with torch's threads set
+between a CPU with AMX and one without). Widths and levels are measured interleaved, in a fresh
+random order each repeat, and reported as median (min–max) over the repeats, with torch's threads set
 and said.
 """
 from __future__ import annotations
@@ -46,10 +46,9 @@ def run(args) -> int:
         levels = args.levels or [lv.name for lv in c.topology.spec.levels if c.workers[lv.name].can_score]
         print(threads_line(threads))
         result = {"topology": args.topology, "threads": threads, "prefix": args.prefix, "levels": {}}
+        times = measure({level: c.workers[level] for level in levels}, widths, args.prefix, args.repeats)
         for level in levels:
-            worker = c.workers[level]
-            times = measure(worker, widths, args.prefix, args.repeats)
-            spreads = {w: Spread.of([t * 1000 for t in ts]) for w, ts in times.items()}
+            spreads = {w: Spread.of([t * 1000 for t in ts]) for w, ts in times[level].items()}
             dtype = c.topology.spec.level(level).dtype
             print(f"{level} ({dtype}), ms by new positions: "
                   + "  ".join(f"{w}: {s.format('.1f')}" for w, s in spreads.items()))
@@ -65,21 +64,26 @@ def run(args) -> int:
     return 0
 
 
-def measure(worker, widths: list[int], prefix: int, repeats: int) -> dict[int, list[float]]:
+def measure(workers: dict, widths: list[int], prefix: int, repeats: int) -> dict[str, dict[int, list[float]]]:
     """Seconds of one ``score`` call over ``w`` new positions after ``prefix`` cached tokens, per
-    width, ``repeats`` times, the widths interleaved in a fresh random order each repeat."""
+    level and width, ``repeats`` times: each repeat takes the widths in a fresh random order and,
+    for each width, the levels in a fresh random order (side by side, so that levels compare
+    under the same conditions)."""
     rng = random.Random(0)
-    vocab = worker.vocab_size
+    vocab = min(worker.vocab_size for worker in workers.values())
     base = [rng.randrange(vocab) for _ in range(prefix)]
-    worker.score(["cost-curve"], [base], [1])  # warm-up and prefill
-    times: dict[int, list[float]] = {w: [] for w in widths}
+    for worker in workers.values():
+        worker.score(["cost-curve"], [base], [1])  # warm-up and prefill
+    times: dict[str, dict[int, list[float]]] = {level: {w: [] for w in widths} for level in workers}
     for _ in range(repeats):
         for w in rng.sample(widths, len(widths)):
             new = [rng.randrange(vocab) for _ in range(w)]
-            worker.score(["cost-curve"], [base], [1])  # the cache holds the prefix alone
-            started = time.perf_counter()
-            worker.score(["cost-curve"], [base + new], [w])
-            times[w].append(time.perf_counter() - started)
-    worker.release(["cost-curve"])
+            for level in rng.sample(list(workers), len(workers)):
+                worker = workers[level]
+                worker.score(["cost-curve"], [base], [1])  # the cache holds the prefix alone
+                started = time.perf_counter()
+                worker.score(["cost-curve"], [base + new], [w])
+                times[level][w].append(time.perf_counter() - started)
+    for worker in workers.values():
+        worker.release(["cost-curve"])
     return times
-

@@ -2,16 +2,16 @@
 
 Two lean workers of the pulled model side by side in one process, one multiplying through the
 kernel and one through torch's products (oneDNN from prepacked copies, MKL over column-major
-weights for one row) — and, where the CPU computes bf16 natively (AVX-512 BF16, AMX), a third in
-bf16, what `dtype: fastest` loads there; one score pass of W new positions after a 200-token
-prefix, the widths interleaved and the workers alternated in a random order each repeat, one thread:
+weights for one row) — and, where the CPU computes bf16 natively (AVX-512 BF16, AMX), two in bf16
+(what `dtype: fastest` loads there), from oneDNN's prepacked copies and through F.linear
+(`packed_weights: false`); one score pass of W new positions after a 200-token prefix, the
+widths interleaved and the workers alternated in a random order each repeat, one thread:
 
     OMP_NUM_THREADS=1 python examples/models/smollm2/kernel_curve.py [--repeats 7]
 """
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 
 import torch
@@ -41,13 +41,10 @@ def main() -> None:
     few_rows._state.update(fn=None, reason="the comparison's other workers")  # built without it
     workers["torch"] = HFWorker.from_model(load())
     if native_bf16(torch.device("cpu")):
-        workers["torch, bf16"] = HFWorker.from_model(load(torch.bfloat16))
+        workers["bf16, prepacked"] = HFWorker.from_model(load(torch.bfloat16))
+        workers["bf16, F.linear"] = HFWorker.from_model(load(torch.bfloat16), packed_weights=False)
     widths = [int(w) for w in args.widths.split(",")]
-    times = {name: {w: [] for w in widths} for name in workers}
-    for repeat in range(args.repeats):
-        for name, worker in random.Random(repeat).sample(sorted(workers.items()), len(workers)):
-            for w, seconds in measure(worker, widths, 200, 1).items():
-                times[name][w] += seconds
+    times = measure(workers, widths, 200, args.repeats)
     median = {name: {w: statistics.median(v) * 1000 for w, v in t.items()} for name, t in times.items()}
     print(f"{'new positions':<22}" + "".join(f"{w:>8}" for w in widths))
     for name in times:
