@@ -76,32 +76,37 @@ def test_sampled_output_follows_the_authority(authority, tmp_path):
     assert check.passed, check
 
 
-def _real_topology(tmp_path, policy):
-    """topologies/smollm2.yaml with the repository's drafters, every level in float32."""
+def _real_topology(tmp_path, policy, name="smollm2"):
+    """topologies/<name>.yaml with the repository's drafters and head, every model level in
+    float32 (a head runs in its source's dtype), under ``policy``."""
     import yaml
 
     root = Path(__file__).resolve().parents[1]
-    data = yaml.safe_load((root / "topologies" / "smollm2.yaml").read_text())
+    data = yaml.safe_load((root / "topologies" / f"{name}.yaml").read_text())
     for level in data["levels"]:
         if level.get("model", "").startswith("../"):
             level["model"] = str((root / "topologies" / level["model"]).resolve())
-        if "model" in level:
+        if level.get("kind") != "head" and "model" in level:
             level["dtype"] = "float32"
     data["policy"] = policy
-    return write_topology(tmp_path / "smollm2.yaml", data)
+    return write_topology(tmp_path / f"{name}.yaml", data)
 
 
-@pytest.mark.parametrize("policy", [
-    {"name": "fixed", "params": {"path": ["ngram", "draft-s", "draft-m", "smollm2"],
-                                 "lookahead": {"ngram": 2, "draft-s": 3, "draft-m": 4}}},
-    {"name": "fixed", "params": {"path": ["draft-s", "smollm2"], "lookahead": 4, "tree": {"draft-s": [3, 2, 1]}}},
-    {"name": "auto"},
-], ids=["chain", "tree", "auto"])
-def test_the_real_hierarchy_is_plain_greedy_decoding(authority, tmp_path, policy):
+@pytest.mark.parametrize("name, policy", [
+    ("smollm2-drafters", {"name": "fixed", "params": {"path": ["ngram", "draft-s", "draft-m", "smollm2"],
+                                                      "lookahead": {"ngram": 2, "draft-s": 3, "draft-m": 4}}}),
+    ("smollm2-drafters", {"name": "fixed", "params": {"path": ["draft-s", "smollm2"], "lookahead": 4,
+                                                      "tree": {"draft-s": [3, 2, 1]}}}),
+    ("smollm2-drafters", {"name": "auto"}),
+    ("smollm2", {"name": "auto"}),
+], ids=["chain", "tree", "auto-drafters", "auto"])
+def test_the_real_hierarchy_is_plain_greedy_decoding(authority, tmp_path, name, policy):
+    """The main topology (with the feature head) and the drafters-only one, under ``auto``, and
+    the drafters' chains through a middle level and trees, for the float32 authority."""
     from cascade import Cascade
 
     _, model, tok = authority
-    with Cascade.from_topology(_real_topology(tmp_path, policy)) as c:
+    with Cascade.from_topology(_real_topology(tmp_path, policy, name)) as c:
         _assert_plain_greedy(c, model, tok, policy)
 
 
@@ -121,23 +126,13 @@ def _assert_plain_greedy(c, model, tok, label):
 
 @pytest.mark.parametrize("tree", [None, [3, 2, 1]], ids=["chain", "tree"])
 def test_the_shipped_feature_head_keeps_plain_greedy_decoding(authority, tmp_path, tree):
-    """topologies/smollm2-head.yaml: the shipped feature head drafts chains and trees for the
+    """topologies/smollm2.yaml: the shipped feature head drafts chains and trees for the
     float32 authority."""
-    import yaml
-
     from cascade import Cascade
 
     _, model, tok = authority
-    root = Path(__file__).resolve().parents[1]
-    data = yaml.safe_load((root / "topologies" / "smollm2-head.yaml").read_text())
-    for level in data["levels"]:
-        if level.get("model", "").startswith("../"):
-            level["model"] = str((root / "topologies" / level["model"]).resolve())
-        if level.get("kind") != "head" and "model" in level:
-            level["dtype"] = "float32"
     params = {"path": ["head", "smollm2"], "lookahead": 3, **({"tree": {"head": tree}} if tree else {})}
-    data["policy"] = {"name": "fixed", "params": params}
-    with Cascade.from_topology(write_topology(tmp_path / "head.yaml", data)) as c:
+    with Cascade.from_topology(_real_topology(tmp_path, {"name": "fixed", "params": params})) as c:
         for g in _assert_plain_greedy(c, model, tok, "head"):
             edge = g.stats.edges["head->smollm2"]
             assert edge.accepted > 0

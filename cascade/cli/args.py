@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, NoReturn
 
 DEFAULT_TOPOLOGY = "topologies/4level.yaml"  # the bundled family: always here, fast, what the tests use
-REAL_TOPOLOGY = "topologies/smollm2.yaml"  # SmolLM2-135M-Instruct and its drafters, once pulled
+REAL_TOPOLOGY = "topologies/smollm2.yaml"  # SmolLM2-135M-Instruct, its feature head and drafter, once pulled
 REAL_MODEL = "smollm2-135m-instruct"
 MAIN_TOPOLOGY_HELP = (f"topology file (default: {REAL_TOPOLOGY} when its model is in the cache - "
                       f"cascade pull {REAL_MODEL} - else {DEFAULT_TOPOLOGY})")

@@ -29,8 +29,9 @@ ABOUT_THE_MODELS = ("The bundled models are tiny (0.7-11.6 M parameters), traine
 # The real model's demo: chats in its own template and code questions, none of them seen in training.
 REAL_PROMPTS = "examples/prompts/chat-heldout.jsonl"
 ABOUT_THE_REAL_MODEL = ("The authority is SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0; dequantized from the "
-                        "Q4_1 GGUF that cascade pull fetched), drafted for by two small models distilled on its "
-                        "own conversations (examples/models/smollm2/README.md) and an n-gram level.")
+                        "Q4_1 GGUF that cascade pull fetched), drafted for by a feature head that reads its hidden "
+                        "states and a small model, both trained on its own conversations "
+                        "(examples/models/smollm2/README.md), and an n-gram level.")
 
 
 def add_parser(sub) -> None:
