@@ -17,7 +17,7 @@ import torch
 
 from cascade import Cascade
 from cascade.engine import Request
-from cascade.sampling import Sampling, position_keys, sample_with_keys
+from cascade.sampling import SPARSE_RACE_FRACTION, Sampling, position_keys, race_noise, sample_with_keys
 from cascade.verify import Verdict, verify_block_keyed
 from conftest import write_topology
 from draws import VOCAB, table_topology
@@ -42,6 +42,35 @@ def test_keyed_samples_follow_the_distribution():
     assert int(sample_with_keys(probs, keys[17])) == int(tokens[17])
     assert torch.equal(position_keys(3, [5, 6]), position_keys(3, range(7))[5:])
     assert not torch.equal(position_keys(3, [5]), position_keys(4, [5]))
+
+
+def test_the_race_over_the_tokens_with_mass_is_the_race_over_the_row():
+    """Where a row's mass sits on few tokens the race computes their noise alone: the same winner
+    as the whole row's race, token for token (ties, one-token rows, batches, a nucleus of a
+    49,152-token row), and 200k draws from such a row follow it."""
+    gen = torch.Generator().manual_seed(0)
+
+    def whole_row(rows, keys):
+        return (rows.to(torch.float64) / race_noise(keys, rows.shape[-1])).argmax(-1)
+
+    for vocab, support, n in ((64, 1, 50), (64, 5, 500), (1000, 40, 200), (49_152, 300, 8)):
+        rows = torch.zeros(n, vocab, dtype=torch.float32)
+        for r in range(n):
+            tokens = torch.randperm(vocab, generator=gen)[:support]
+            rows[r, tokens] = torch.rand(support, generator=gen)
+            if support > 1 and r % 3 == 0:
+                rows[r, tokens[1]] = rows[r, tokens[0]]  # a tie
+        keys = position_keys(r, range(n))
+        assert (rows > 0).sum() * SPARSE_RACE_FRACTION < rows.numel()  # the subset's path
+        assert torch.equal(sample_with_keys(rows, keys), whole_row(rows, keys)), (vocab, support)
+    n = 200_000
+    probs = torch.zeros(40, dtype=torch.float64)
+    probs[[3, 11, 12, 30, 39]] = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05], dtype=torch.float64)
+    tokens = sample_with_keys(probs.expand(n, -1), position_keys(5, range(n)))
+    counts = Counter((int(t),) for t in tokens)
+    expected = {(v,): float(p) for v, p in enumerate(probs)}
+    stat, pvalue = chi_square_pvalue(counts, expected, n)
+    assert pvalue > 1e-4 and total_variation(counts, expected, n) < 0.005, (stat, pvalue)
 
 
 def test_keyed_verdicts():
