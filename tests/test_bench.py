@@ -380,3 +380,17 @@ def test_a_topology_with_a_head_gets_a_row_for_itself_under_auto(family, tmp_pat
     reports = bench_reports(topo, tmp_path, capsys, ["def f(x):\n"], "--max-new-tokens", "8", "--only", "cascade:")
     assert {"cascade:head->large", "cascade:small->large", "cascade:test:auto"} <= set(reports)
     assert all(r["mismatches"] == [] for r in reports.values())
+
+
+def test_an_only_that_names_no_configuration_is_an_error(family, tmp_path, capsys):
+    """A misspelt --only is refused before anything runs, with the configurations it could name."""
+    topo = write_topology(tmp_path / "b.yaml", family_topology(family, ["tiny", "large"], edges=[["tiny", "large"]]))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):\n"}))
+    code = main(["bench", "--topology", str(topo), "--prompts", str(prompts), "--max-new-tokens", "4",
+                 "--only", "cascade:tiny->large", "--only", "cascade:nosuch:auto", "--out", str(tmp_path / "o"),
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "'cascade:nosuch:auto' matches no configuration" in err and "cascade:tiny->large" in err
+    assert not (tmp_path / "o" / "bench.json").exists()

@@ -303,6 +303,11 @@ def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repe
                           samplings, exactness_draws, exactness_tokens, used, trees)
 
 
+class UnknownConfiguration(ValueError):
+    """An ``--only`` that names none of the bench's configurations (a typo would otherwise
+    silently drop rows from a run that takes minutes)."""
+
+
 def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, only, progress, seed, samplings,
                exactness_draws, exactness_tokens, threads, trees=()) -> tuple[list[ConfigReport], list[Sample]]:
     from cascade.sampling import Sampling
@@ -312,6 +317,11 @@ def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, o
     topo, workers, tokenizer = _load(topology)
     configs = build_configs(topo, workers, tokenizer, prompt_lookup, trees=trees)
     if only:
+        unmatched = [o for o in only if not any(o in c.name for c in configs)]
+        if unmatched:
+            raise UnknownConfiguration(
+                f"--only {', '.join(map(repr, unmatched))} matches no configuration of this topology's bench; "
+                f"its configurations: {', '.join(c.name for c in configs)}")
         configs = [c for c in configs if c.name == "plain" or any(o in c.name for o in only)]
     ids = [tokenizer.encode(p) for p in prompts]
     checks: dict[tuple[str, str], DistributionCheck] = {}
@@ -528,7 +538,8 @@ def add_parser(sub) -> None:
                    help=f"torch's intra-op threads (default {DEFAULT_THREADS}: steady timings on a shared machine)")
     p.add_argument("--prompt-lookup", type=types.positive_int, default=10, help="prompt_lookup_num_tokens for transformers")
     p.add_argument("--only", action="append", default=None,
-                   help="run only configurations whose name contains this (plain always runs; repeatable)")
+                   help="run only configurations whose name contains this (plain always runs; repeatable; one that "
+                        "no configuration contains is an error that lists them)")
     p.add_argument("--batch-sizes", type=types.positive_int_list, default=None,
                    help="throughput mode: comma-separated batch sizes (e.g. 1,4,16,64), plain batched decoding "
                         "vs the batched cascade")
@@ -574,10 +585,15 @@ def _main(args) -> int:
             return 2
         return 0
     samplings = [Sampling(), sampling] if args.with_greedy and not sampling.greedy else [sampling]
-    reports, _ = run_bench(args.topology, prompts, args.max_new_tokens, args.repeats, args.out, args.prompt_lookup,
-                           args.only, progress=not args.no_progress, seed=args.seed, samplings=samplings,
-                           exactness_draws=args.exactness_draws, exactness_tokens=args.exactness_tokens,
-                           threads=args.threads, trees=tuple(tuple(t) for t in args.tree))
+    try:
+        reports, _ = run_bench(args.topology, prompts, args.max_new_tokens, args.repeats, args.out,
+                               args.prompt_lookup, args.only, progress=not args.no_progress, seed=args.seed,
+                               samplings=samplings, exactness_draws=args.exactness_draws,
+                               exactness_tokens=args.exactness_tokens, threads=args.threads,
+                               trees=tuple(tuple(t) for t in args.tree))
+    except UnknownConfiguration as exc:
+        print(f"cascade bench: {exc}", file=sys.stderr)
+        return 2
     print((Path(args.out) / "bench.md").read_text())
     print(f"({time.perf_counter() - t0:.0f} s; report in {args.out})")
     bad = [f"{r.name} ({r.mode})" for r in reports if not r.exact]
