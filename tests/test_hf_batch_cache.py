@@ -43,6 +43,32 @@ def test_pool_is_used_for_llama_batches_and_a_solo_sequence_joins_it(model):
     assert "a" not in worker._caches
 
 
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_solo_sequences_cache_grows_in_place_through_rollbacks(model, lean):
+    """A solo sequence's cache writes each pass into buffers it keeps (no copy of the whole cache
+    a pass, as transformers' DynamicLayer makes), grows them when full and rolls back by its
+    length: the logits stay the sequence's own, on the lean forward and on transformers'."""
+    worker = HFWorker.from_model(model, lean=lean)
+    vocab = worker.vocab_size
+    rng = random.Random(3)
+    toks = [rng.randrange(vocab) for _ in range(5)]
+    check(worker, model, ["a"], [toks], [1])
+    layer = worker._caches["a"].cache.layers[0]
+    assert type(layer).__name__ == "GrowingLayer"
+    buffers, grown = layer.kbuf, 0
+    for step in range(40):
+        cut = rng.randrange(0, 4)  # a rejected block rolls back
+        if cut and len(toks) > cut + 1:
+            del toks[-cut:]
+        width = rng.randrange(1, 9)
+        toks.extend(rng.randrange(vocab) for _ in range(width))
+        check(worker, model, ["a"], [toks], [width])
+        assert layer.length == len(toks) <= layer.capacity
+        if layer.kbuf is not buffers:
+            buffers, grown = layer.kbuf, grown + 1
+    assert len(toks) > 100 and 1 <= grown <= 3  # doubling: a few growths, not one a pass
+
+
 def test_ragged_batches_equal_solo(model, tokenizer):
     worker = HFWorker.from_model(model)
     vocab = worker.vocab_size

@@ -5,8 +5,9 @@ prefix, roll back the rest, prefill what is new. Rejected drafts therefore roll 
 
 The sequences a worker scores live as rows of one persistent batched cache, the pool
 (:class:`workers.pool.Pool`: preallocated buffers written in place, rows rolled back by a
-validity mask). A solo sequence keeps a DynamicCache of its own until it is batched, and a
-model whose cache layout the pool does not handle keeps one per sequence
+validity mask). A solo sequence keeps a cache of its own until it is batched (buffers that
+grow in place, :func:`workers.pool.growing_cache`), and a model whose cache layout the pool does
+not handle keeps a DynamicCache per sequence
 (:meth:`HFWorker._score_batch`).
 
 A tree of candidate tokens (:meth:`HFWorker.score_tree`) is scored in one forward pass on all
@@ -26,13 +27,13 @@ from workers.devices import resolve_device, resolve_dtype
 from workers.draft_vocab import DraftVocab
 from workers.features import FeatureStore
 from workers.lean import attention_mask, lean_forward
-from workers.pool import Pool, poolable
+from workers.pool import Pool, growing_cache, poolable
 from workers.trees import Pending, accepted_path, as_tree, depths, window_mask
 
 
 @dataclass
 class _SeqCache:
-    cache: object  # transformers DynamicCache
+    cache: object  # a transformers Cache: growing_cache's, or a DynamicCache
     tokens: list[int] = field(default_factory=list)  # the tokens whose keys/values it holds
     # a scored tree whose nodes follow ``tokens`` in the cache, until the next call settles it
     tree: Pending | None = None
@@ -196,6 +197,8 @@ class HFWorker(Worker):
         return mask
 
     def _new_cache(self):
+        if self._pool:  # plain full-attention layers: a solo sequence's buffers grow in place
+            return growing_cache(self.model)
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
@@ -258,7 +261,7 @@ class HFWorker(Worker):
                 return [self._score_one(seq_ids[0], list(token_ids[0]), num_positions[0])]
             return self._score_batch(seq_ids, token_ids, num_positions)
         if len(seq_ids) == 1 and not self._pool.row_of:
-            # A solo request: its own DynamicCache beats the pool's masked buffers at batch 1
+            # A solo request: its own cache beats the pool's masked buffers at batch 1
             # (bundled tiny: 0.57 vs 0.78 ms per pass). It joins the pool if it is ever batched.
             return [self._score_one(seq_ids[0], list(token_ids[0]), num_positions[0])]
         for s in seq_ids:  # sequences served alone so far move to the pool (prefilled there once)
@@ -381,7 +384,7 @@ class HFWorker(Worker):
         return logits.cpu()
 
     def _score_tree_one(self, seq_id: str, tokens: list[int], tree) -> torch.Tensor:
-        """One sequence's tree on its own DynamicCache: the uncached tail, then the nodes."""
+        """One sequence's tree on its own cache: the uncached tail, then the nodes."""
         entry, fresh = self._reconcile(seq_id, tokens, 1)
         nodes, parents = tree
         past, t, dev = len(entry.tokens), len(fresh), self.device

@@ -109,6 +109,50 @@ def _buffer_layer_class():
     return BufferLayer
 
 
+def growing_cache(model):
+    """A solo sequence's cache (:class:`~workers.hf.HFWorker`): one layer per decoder layer over
+    buffers written in place, grown by doubling and cropped by moving its length back — where
+    transformers' DynamicLayer concatenates, copying the whole cache on every pass (SmolLM2-135M,
+    bf16, 200 cached tokens: ~2 ms of a ~36 ms pass at one position, ~4 ms at four). The same
+    keys and values, in the same order: attention reads views of them."""
+    from transformers.cache_utils import Cache
+
+    return Cache(layers=[_growing_layer_class()() for _ in range(num_layers(model))])
+
+
+@functools.cache
+def _growing_layer_class():
+    class GrowingLayer(_buffer_layer_class()):
+        def __init__(self):
+            super().__init__(None, None, 0)
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            end = self.length + key_states.shape[-2]
+            if end > self.capacity:
+                self._grow(key_states, value_states, max(end, 2 * self.capacity, 64))
+            return super().update(key_states, value_states)
+
+        def _grow(self, key_states, value_states, capacity: int) -> None:
+            kbuf = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[-1]))
+            vbuf = value_states.new_empty((*value_states.shape[:2], capacity, value_states.shape[-1]))
+            if self.kbuf is not None:
+                kbuf.narrow(2, 0, self.length).copy_(self.kbuf.narrow(2, 0, self.length))
+                vbuf.narrow(2, 0, self.length).copy_(self.vbuf.narrow(2, 0, self.length))
+            self.kbuf, self.vbuf, self.capacity = kbuf, vbuf, capacity
+            self.device, self.is_initialized = kbuf.device, True
+
+        def crop(self, tokens_to_remove: int) -> None:
+            """Drop the last ``-tokens_to_remove`` columns (transformers' convention: negative)."""
+            if tokens_to_remove > 0:
+                raise ValueError(f"crop takes a negative count of tokens to remove, not {tokens_to_remove}")
+            if tokens_to_remove == 0 or self.kbuf is None:
+                return
+            self.length = max(0, self.length + tokens_to_remove)
+            self.keys, self.values = self.kbuf.narrow(2, 0, self.length), self.vbuf.narrow(2, 0, self.length)
+
+    return GrowingLayer
+
+
 class Pool:
     """The worker's sequences as rows of one batched KV cache (see the module docstring).
 
