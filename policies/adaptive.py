@@ -419,7 +419,14 @@ class EscalationPolicy(CostAwarePolicy):
         proposer whose own chain into the authority is priced cheapest, if that beats the
         authority alone. Prompt lookup is priced by its acceptance where it proposes, so at the
         many steps of a chat where it has no match the step would otherwise be the authority's
-        one-token pass."""
+        one-token pass.
+
+        The stand-in needs only to beat the authority alone, not by ``draft_margin``: it is
+        measured at every step it drafts, so a price too low corrects itself, while a margin lets
+        an unlucky early estimate (a few rounds accepted below the drafter's rate) turn it off
+        for good — a declined stand-in is measured again only by rare probes. Seen once: SmolLM2's
+        head, measured at 0.31 by the first request's rounds (0.45-0.50 in other runs), fell short
+        of the margin, and every later request decoded its steps without a match one token a pass."""
         kinds = self.estimates.kinds
         if not self.params.stand_in or len(path) != 2 or kinds.get(path[0]) != "ngram":
             return None
@@ -432,7 +439,7 @@ class EscalationPolicy(CostAwarePolicy):
             if lookahead.get(p[0], 0) > 0 and (best is None or cost < best[0]):
                 best = (cost, p[0], lookahead[p[0]])
         alone = priced.get((ctx.authority,))
-        if best is None or alone is None or best[0] * (1 + self.draft_margin) >= alone[0]:
+        if best is None or alone is None or best[0] >= alone[0]:
             return None
         return best[1], best[2]
 

@@ -648,3 +648,30 @@ def test_auto_names_a_stand_in_when_it_takes_prompt_lookup():
     assert plans[3, True].stand_in == {"ngram": "tiny"} and plans[3, True].lookahead["tiny"] >= 1
     assert "tiny" in plans[3, True].stop  # its own calibrated stop
     assert plans[0, True].stand_in == {} and plans[3, False].stand_in == {}
+
+
+def test_a_stand_in_that_beats_the_authority_by_less_than_the_draft_margin_still_stands_in():
+    """The stand-in is measured at every step it drafts, so it needs only to beat the authority
+    alone: with `draft_margin` on top, a drafter priced a few percent cheaper (an unlucky early
+    estimate of one that pays) was turned off for good. A path chosen over the authority still
+    needs the margin."""
+    graph = nx.DiGraph([("ngram", "large"), ("tiny", "large")])
+    seconds = {"ngram": 1e-6, "tiny": 0.006, "large": 0.040}
+    policy = bound(AutoPolicy(explore=0.0, warmup=0, probe_every=10**9, draft_margin=0.1), graph)
+    policy.estimates.kinds = policy.contexts[True].kinds = policy.contexts[False].kinds = \
+        {"ngram": "ngram", "tiny": "hf", "large": "hf"}
+    teach(policy, ("ngram", "large"), [("ngram", "large", 4, 4)], seconds)
+    teach(policy, ("tiny", "large"), [("tiny", "large", 4, 1)], seconds, rounds=12)
+    teach(policy, ("tiny", "large"), [("tiny", "large", 4, 0)], seconds, rounds=48)
+    estimates = policy._estimates()
+    drafting = estimates.path_cost(("tiny", "large"), 12)[0]
+    alone = estimates.path_cost(("large",), 12)[0]
+    assert alone / (1 + policy.draft_margin) < drafting < alone  # cheaper, by less than the margin
+    plan = policy.plan(ctx(graph))
+    assert plan.path == ("ngram", "large") and plan.stand_in == {"ngram": "tiny"}
+    # as a path of its own against the authority alone, the margin still holds it back
+    alone_graph = nx.DiGraph([("tiny", "large")])
+    policy = bound(AutoPolicy(explore=0.0, warmup=0, probe_every=10**9, draft_margin=0.1, trees=[]), alone_graph)
+    teach(policy, ("tiny", "large"), [("tiny", "large", 4, 1)], seconds, rounds=12)
+    teach(policy, ("tiny", "large"), [("tiny", "large", 4, 0)], seconds, rounds=48)
+    assert policy.plan(ctx(alone_graph)).path == ("large",)
