@@ -158,14 +158,23 @@ class PassModel:
     2 positions and 2.2x for 8 (the matrix kernel changes with the rows), where a line through 1
     and 33 positions puts them at 1.1x and 1.8x. :meth:`pass_seconds` interpolates between the measured buckets (each
     with at least ``min_samples`` passes, made non-decreasing) and extrapolates beyond them
-    along the line's slope; with none measured it is the line."""
+    along the line's slope; with none measured it is the line.
+
+    A width the policy stops choosing is not measured again until a probe, while the passes it
+    does choose keep moving (a pass costs more over a longer context; a new request starts
+    short): a wider bucket left at the end of a long request would price speculation out for
+    good (seen on SmolLM2: 2-position passes kept at 60 ms while one-position passes had fallen
+    to 45 ms, and drafting stopped). So each pass is kept with the narrowest bucket's median
+    when it was measured (:meth:`_reference`), and priced as a multiple of that bucket's median
+    now: the curve's shape is measured, its level follows the passes run now."""
 
     fit_decay: float = 0.97
     window: int = 15
     min_samples: int = 3
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # pp, pt, tt, ps, ts
     _fit: tuple[float, float] | None = None
-    _widths: dict[int, tuple[deque, deque]] = field(default_factory=dict)  # bucket -> (positions, seconds)
+    # bucket -> (positions, seconds, the reference when measured: (bucket, seconds) or None)
+    _widths: dict[int, tuple[deque, deque, deque]] = field(default_factory=dict)
     _points: tuple[list[float], list[float]] | None = None
     calls: int = 0
 
@@ -183,10 +192,30 @@ class PassModel:
         self._fit = None
         if passes > 0:
             width = tokens / passes
-            kept = self._widths.setdefault(width_bucket(width), (deque(maxlen=self.window), deque(maxlen=self.window)))
+            reference = self._reference()
+            kept = self._widths.setdefault(width_bucket(width), tuple(deque(maxlen=self.window) for _ in range(3)))
             kept[0].append(width)
             kept[1].append(seconds / passes)
+            kept[2].append(reference)
             self._points = None
+
+    def _reference(self) -> tuple[int, float] | None:
+        """The narrowest bucket with ``min_samples`` passes and its median seconds, or None."""
+        settled = [b for b, kept in self._widths.items() if len(kept[1]) >= self.min_samples]
+        if not settled:
+            return None
+        bucket = min(settled)
+        return bucket, statistics.median(self._widths[bucket][1])
+
+    def _bucket_seconds(self, bucket: int, reference: tuple[int, float] | None) -> float:
+        """A bucket's median seconds, each pass scaled by how the reference bucket's median has
+        moved since it was measured (passes measured without that reference: as they were)."""
+        _, seconds, refs = self._widths[bucket]
+        if reference is None or bucket == reference[0]:
+            return statistics.median(seconds)
+        ref_bucket, now = reference
+        return statistics.median(s * now / r[1] if r is not None and r[0] == ref_bucket and r[1] > 0 else s
+                                 for s, r in zip(seconds, refs))
 
     def pass_seconds(self, positions: float) -> float | None:
         """Seconds of one pass computing ``positions`` positions; None before any call."""
@@ -194,8 +223,9 @@ class PassModel:
         if fit is None:
             return None
         if self._points is None:
-            measured = sorted((statistics.median(w), statistics.median(s))
-                              for w, s in self._widths.values() if len(s) >= self.min_samples)
+            reference = self._reference()
+            measured = sorted((statistics.median(w), self._bucket_seconds(b, reference))
+                              for b, (w, s, _) in self._widths.items() if len(s) >= self.min_samples)
             xs, ys, top = [], [], 0.0
             for x, y in measured:
                 top = max(top, y)  # a pass over more positions costs no less

@@ -144,7 +144,8 @@ def test_the_drafting_figures_are_the_head_workers_drafts_and_the_authoritys_gre
         worker.take_features([seq], [prefix], [0], [feats[:p]])
         chain = []
         for _ in range(3):
-            chain.append(int(worker._next_logits([seq], [prefix + chain])[0][-1].argmax()))
+            row = worker._next_logits([seq], [prefix + chain])[0][-1]  # over the draft columns
+            chain.append(int(worker.draft_columns[row.argmax()]))
         assert drafts[i].tolist() == chain
         with torch.no_grad():
             for j in range(3):

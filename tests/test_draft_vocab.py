@@ -95,3 +95,32 @@ def test_trimmed_drafter_negative_control(tmp_path, trimmed, monkeypatch):
     counts = _draw(_topology(tmp_path, trimmed), n, seed=4, temperature=1.0)
     _, pvalue = chi_square_pvalue(counts, exact_pairs(2, 1.0, 0, 1.0), n)
     assert pvalue < 1e-9
+
+
+@pytest.mark.parametrize("sampling", [
+    dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_p=0.7),
+    dict(temperature=1.3, top_k=2), dict(temperature=1.0, coupling="gumbel"),
+], ids=["greedy", "t1", "top_p", "top_k", "keyed"])
+def test_drafts_warped_over_the_draft_columns_are_the_wide_rows_draws(trimmed, sampling):
+    """Worker.draft warps a trimmed drafter's rows over its draft columns alone (ascending ids,
+    DRAFT_IDS is not): its rows and tokens are those of the authority-width rows (-inf outside)
+    warped and drawn as before, keyed races included (noise at authority ids)."""
+    from cascade.sampling import Sampling, position_keys
+
+    sampling = Sampling(**sampling)
+    worker = HFWorker(str(trimmed), "float64", "cpu")
+    assert worker.draft_columns.tolist() == sorted(DRAFT_IDS)
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(60):
+        prompt = torch.randint(0, AUTHORITY_VOCAB, (4,), generator=gen).tolist()
+        draws = (position_keys(trial, range(3)) if sampling.rule.keyed
+                 else torch.rand(3, generator=gen, dtype=torch.float64))
+        draft = worker.draft([f"d{trial}"], [prompt], [3], sampling, [draws])[0]
+        seq = list(prompt)
+        for j, token in enumerate(draft.tokens):
+            wide = sampling.probs(worker.score(["wide"], [seq], [1])[0])  # [1, authority vocab]
+            torch.testing.assert_close(draft.probs[j], wide[0], rtol=0, atol=1e-12)
+            assert token == int(sampling.draw(wide, draws[j:j + 1])[0])
+            row = worker.score(["wide"], [seq], [1])[0][0].double()
+            assert draft.confidence[j] == pytest.approx(float(torch.softmax(row, -1)[token]), abs=1e-12)
+            seq.append(token)

@@ -65,8 +65,21 @@ def naive_logits(worker: HeadWorker, tokens: list[int], real: torch.Tensor, firs
             f_hat = head(torch.stack(feats)[None], embeds)[0, -1]
             predicted.append(f_hat)
             if t >= first:
-                out.append(worker._logits(f_hat[None])[0])
+                out.append(_wide_logits(worker, f_hat))
     return out
+
+
+def _wide_logits(worker: HeadWorker, f_hat: torch.Tensor) -> torch.Tensor:
+    """The head's authority-width logits from a predicted feature, computed here: the source's
+    LM head (at the draft vocabulary's ids, if any), or the head's own over its draft vocabulary
+    (in draft order); -inf outside a draft vocabulary."""
+    vocab = worker.draft_vocab
+    if vocab is None:
+        return worker.lm_head(f_hat)
+    rows = torch.full((worker.vocab_size,), float("-inf"), dtype=f_hat.dtype)
+    own = worker.head.lm_head
+    rows[vocab.ids] = own(f_hat) if own is not None else worker.lm_head(f_hat)[vocab.ids]
+    return rows
 
 
 def naive_outputs(worker: HeadWorker, tokens: list[int], real: torch.Tensor) -> torch.Tensor:
@@ -190,11 +203,13 @@ def test_a_heads_tree_equals_naive_chains(models, kind):
         torch.testing.assert_close(row, torch.softmax(logits, -1), rtol=0, atol=1e-12)
 
 
-def test_a_head_over_a_trimmed_draft_vocabulary(models, tmp_path):
-    """Its own output head over a draft vocabulary: rows -inf (probs 0) outside, the naive rows inside."""
+@pytest.mark.parametrize("own", [True, False], ids=["own-lm-head", "source-lm-head"])
+def test_a_head_over_a_trimmed_draft_vocabulary(models, tmp_path, own):
+    """A head over a draft vocabulary (its own output head, or its source's restricted to it):
+    rows -inf (probs 0) outside, the naive rows inside."""
     source = source_worker(models)
-    ids = [0, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37]
-    head = random_head(source.model, seed=8, lm_head_rows=len(ids))
+    ids = [13, 0, 29, 5, 37, 3, 19, 7, 31, 11, 23, 17]  # draft order is not id order
+    head = random_head(source.model, seed=8, lm_head_rows=len(ids) if own else 0)
     head.save_pretrained(tmp_path / "trimmed", draft_vocab=DraftVocab(ids, source.vocab_size))
     worker = HeadWorker.load(tmp_path / "trimmed", source, "auth")
     seq = [5, 17, 30, 2]

@@ -224,6 +224,27 @@ def test_level_cost_learns_pass_and_position_costs_per_batch_size():
     assert cost.fit(16) == before
 
 
+def test_a_width_no_longer_chosen_is_priced_by_the_passes_run_now():
+    """Passes measured late in a long request (one position 57 ms, two 60 ms), then a short
+    request decoding alone (one position 45 ms): two positions are priced at the curve's measured
+    ratio to one position now (60 * 45 / 57), not at the 60 ms left in their bucket, which would
+    keep drafting priced out until a probe."""
+    cost = LevelCost()
+    for _ in range(15):
+        cost.observe_pass(1, 1, 0.057, rows=1)
+        cost.observe_pass(1, 2, 0.060, rows=1)
+        cost.observe_pass(1, 4, 0.062, rows=1)
+    assert cost.per_sequence(1, 2) == pytest.approx(0.060)
+    for _ in range(15):
+        cost.observe_pass(1, 1, 0.045, rows=1)
+    assert cost.per_sequence(1, 1) == pytest.approx(0.045)
+    assert cost.per_sequence(1, 2) == pytest.approx(0.060 * 45 / 57)
+    assert cost.per_sequence(1, 4) == pytest.approx(0.062 * 45 / 57)
+    for _ in range(15):  # measured again: as measured
+        cost.observe_pass(1, 2, 0.050, rows=1)
+    assert cost.per_sequence(1, 2) == pytest.approx(0.050)
+
+
 # One float32 pass of SmolLM2-135M-Instruct on an AVX2 EPYC core by positions scored (ms, the
 # lean forward after a 200-token prefix, 2026-12-03): the second position costs most of a pass
 # (the matrix kernel changes with the rows), the next ones little.

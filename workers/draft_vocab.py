@@ -39,6 +39,9 @@ class DraftVocab:
         for d, a in enumerate(ids):
             table[a] = d
         self._to_draft = table  # a list: indexing it per token beats a tensor gather for short lists
+        # the draft vocabulary in authority id order: rows over these columns are what a drafter
+        # drafts from (Worker.draft_columns); ``order`` picks them from a draft-order row
+        self.columns, self.order = torch.sort(self.ids)
 
     @property
     def size(self) -> int:
@@ -60,6 +63,10 @@ class DraftVocab:
     def to_draft(self, token_ids: Sequence[int]) -> list[int]:
         table = self._to_draft
         return [table[t] for t in token_ids]
+
+    def to_columns(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[n, size]`` -> rows over :attr:`columns` ``[n, size - 1]`` (OTHER dropped)."""
+        return logits[:, self.order]
 
     def to_authority_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[n, size]`` -> authority-width rows ``[n, authority_vocab_size]``,

@@ -294,10 +294,12 @@ class HeadWorker(Worker):
         want = (draft_vocab.size - 1) if draft_vocab is not None else rows
         if head.lm_head is not None and head.lm_head.weight.shape[0] != want:
             raise ValueError(f"the head's own lm_head has {head.lm_head.weight.shape[0]} rows; expected {want}")
-        self._ids = draft_vocab.ids.to(self.device) if draft_vocab is not None else None
+        # drafts are warped over the draft vocabulary alone, in ascending id order (Worker.draft)
+        self.draft_columns = draft_vocab.columns.to(self.device) if draft_vocab is not None else None
+        self._order = draft_vocab.order.to(self.device) if draft_vocab is not None else None
         self._trimmed_product = None
         if head.lm_head is None and draft_vocab is not None:  # the source's LM head restricted to the draft vocabulary
-            trimmed = lm_head.weight.detach()[self._ids].clone()
+            trimmed = lm_head.weight.detach()[self.draft_columns].clone()
             # multiplied as the lean forward multiplies its source's (workers/lean.py: the
             # few-row kernel, else oneDNN and column-major weights)
             self._trimmed_product = linear_product(trimmed, None, packable(trimmed))
@@ -371,10 +373,14 @@ class HeadWorker(Worker):
 
     @torch.inference_mode()
     def _next_logits(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """One drafting step of :meth:`Worker.draft`: logits ``[1, vocab]`` predicting the token
-        after each sequence, from the head's entries up to its last token (fed now where missing:
-        real features first, in one pass; then, where the sequence runs past them, one predicted
-        entry per pass)."""
+        """One drafting step of :meth:`Worker.draft`: logits ``[1, columns]`` predicting the token
+        after each sequence (over :attr:`draft_columns` where set)."""
+        return list(self._column_logits(self._feed(seq_ids, token_ids))[:, None])
+
+    def _feed(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Each sequence's predicted feature after its last token ``[rows, hidden]``, from the
+        head's entries up to that token (fed now where missing: real features first, in one
+        pass; then, where the sequence runs past them, one predicted entry per pass)."""
         states = []
         for s, toks in zip(seq_ids, token_ids):
             toks = list(toks)
@@ -392,8 +398,7 @@ class HeadWorker(Worker):
             if not runs:
                 break
             self._pass(runs, states)
-        hidden = torch.stack([state.out[-1] for state, _ in states])
-        return list(self._logits(hidden)[:, None])
+        return torch.stack([state.out[-1] for state, _ in states])
 
     @torch.inference_mode()
     def draft_tree(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
@@ -408,9 +413,9 @@ class HeadWorker(Worker):
         grow = [b for b in range(len(seq_ids)) if widths[b]]
         if not grow:
             return trees
-        roots = self._next_logits([seq_ids[b] for b in grow], [token_ids[b] for b in grow])
+        roots = self._logits(self._feed([seq_ids[b] for b in grow], [token_ids[b] for b in grow]))
         grown = [_TreeGrowth(self._seqs[seq_ids[b]], trees[b], list(widths[b])) for b in grow]
-        for g, rows in zip(grown, roots):
+        for g, rows in zip(grown, roots[:, None]):
             g.frontier = grow_children(g.tree, [-1], rows, g.widths[0])
         for depth in range(1, max(len(g.widths) for g in grown)):
             growing = [g for g in grown if depth < len(g.widths) and g.frontier]
@@ -537,22 +542,29 @@ class HeadWorker(Worker):
                 state.real += real
             state.tokens.extend(toks)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Authority-width logits ``[rows, vocab]`` (float32 at least, on the host) from
-        predicted features ``[rows, hidden]``: ``-inf`` outside a draft vocabulary."""
+    def _column_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` (float32 at least, on the host) from predicted features
+        ``[rows, hidden]``; over :attr:`draft_columns` alone where there is a draft vocabulary."""
         if self.head.lm_head is not None:
             logits = self.head.lm_head(hidden)
+            if self._order is not None:
+                logits = logits[:, self._order]
         elif self._trimmed_product is not None:
             logits = self._trimmed_product(hidden)
         else:
             logits = self.lm_head(hidden)
-        if self._ids is not None:
-            rows = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-            rows[:, self._ids] = logits
-            logits = rows
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         return logits.cpu()
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`_column_logits` at the authority's width: ``-inf`` outside a draft vocabulary."""
+        logits = self._column_logits(hidden)
+        if self.draft_columns is None:
+            return logits
+        rows = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        rows[:, self.draft_columns.cpu()] = logits
+        return rows
 
     # -- bookkeeping ---------------------------------------------------------------------------
 

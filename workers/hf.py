@@ -73,6 +73,7 @@ class HFWorker(Worker):
             raise ValueError(f"draft_vocab.json lists {draft_vocab.size - 1} tokens + OTHER but the model "
                              f"has {rows} output rows")
         self.vocab_size = draft_vocab.authority_vocab_size if draft_vocab is not None else rows
+        self.draft_columns = draft_vocab.columns.to(self.device) if draft_vocab is not None else None
         self.context_length = getattr(self.model.config, "max_position_embeddings", None)
         self._caches: dict[str, _SeqCache] = {}
         self._pool: Pool | bool | None = None  # None: not decided yet; False: per-sequence caches
@@ -216,6 +217,14 @@ class HFWorker(Worker):
         # Caches hold draft ids: two authority tokens outside the draft vocabulary are one input.
         rows = self._score(seq_ids, [vocab.to_draft(t) for t in token_ids], num_positions)
         return [vocab.to_authority_rows(r) for r in rows]
+
+    @torch.inference_mode()
+    def _next_logits(self, seq_ids, token_ids) -> list[torch.Tensor]:
+        vocab = self.draft_vocab
+        if vocab is None:
+            return super()._next_logits(seq_ids, token_ids)
+        rows = self._score(seq_ids, [vocab.to_draft(t) for t in token_ids], [1] * len(seq_ids))
+        return [vocab.to_columns(r) for r in rows]  # over draft_columns (Worker.draft)
 
     @torch.inference_mode()
     def score_tree(self, seq_ids, token_ids, trees) -> list[torch.Tensor]:
