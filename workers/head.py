@@ -294,12 +294,13 @@ class HeadWorker(Worker):
         want = (draft_vocab.size - 1) if draft_vocab is not None else rows
         if head.lm_head is not None and head.lm_head.weight.shape[0] != want:
             raise ValueError(f"the head's own lm_head has {head.lm_head.weight.shape[0]} rows; expected {want}")
-        # drafts are warped over the draft vocabulary alone, in ascending id order (Worker.draft)
-        self.draft_columns = draft_vocab.columns.to(self.device) if draft_vocab is not None else None
+        # drafts are warped over the draft vocabulary alone, in ascending id order, on the host
+        # where the logits come back (Worker.draft)
+        self.draft_columns = draft_vocab.columns if draft_vocab is not None else None
         self._order = draft_vocab.order.to(self.device) if draft_vocab is not None else None
         self._trimmed_product = None
         if head.lm_head is None and draft_vocab is not None:  # the source's LM head restricted to the draft vocabulary
-            trimmed = lm_head.weight.detach()[self.draft_columns].clone()
+            trimmed = lm_head.weight.detach()[self.draft_columns.to(self.device)].clone()
             # multiplied as the lean forward multiplies its source's (workers/lean.py: the
             # few-row kernel, else oneDNN and column-major weights)
             self._trimmed_product = linear_product(trimmed, None, packable(trimmed))
@@ -563,7 +564,7 @@ class HeadWorker(Worker):
         if self.draft_columns is None:
             return logits
         rows = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        rows[:, self.draft_columns.cpu()] = logits
+        rows[:, self.draft_columns] = logits
         return rows
 
     # -- bookkeeping ---------------------------------------------------------------------------

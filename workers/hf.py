@@ -73,7 +73,8 @@ class HFWorker(Worker):
             raise ValueError(f"draft_vocab.json lists {draft_vocab.size - 1} tokens + OTHER but the model "
                              f"has {rows} output rows")
         self.vocab_size = draft_vocab.authority_vocab_size if draft_vocab is not None else rows
-        self.draft_columns = draft_vocab.columns.to(self.device) if draft_vocab is not None else None
+        # on the host, where the logits come back (Worker.draft)
+        self.draft_columns = draft_vocab.columns if draft_vocab is not None else None
         self.context_length = getattr(self.model.config, "max_position_embeddings", None)
         self._caches: dict[str, _SeqCache] = {}
         self._pool: Pool | bool | None = None  # None: not decided yet; False: per-sequence caches
