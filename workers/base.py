@@ -61,8 +61,9 @@ class Worker(abc.ABC):
     vocab_size: int
     can_score: bool = True
     # The authority ids, ascending, outside which this level never drafts (a trimmed draft
-    # vocabulary, workers.draft_vocab), or None: then :meth:`_next_logits` returns rows over these
-    # columns alone and :meth:`draft` warps them there (~0.6 ms a drafted token saved over 49,152).
+    # vocabulary, workers.draft_vocab): where set, :meth:`_next_logits` returns rows over these
+    # columns alone and :meth:`draft` warps them there (~0.6 ms a drafted token saved over
+    # 49,152); None: rows over the whole vocabulary.
     draft_columns: torch.Tensor | None = None
     # whether :meth:`draft_tree` works here (the generic one scores nodes with :meth:`score`)
     drafts_trees: bool = True

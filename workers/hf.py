@@ -215,17 +215,21 @@ class HFWorker(Worker):
         vocab = self.draft_vocab
         if vocab is None:
             return self._score(seq_ids, token_ids, num_positions)
-        # Caches hold draft ids: two authority tokens outside the draft vocabulary are one input.
-        rows = self._score(seq_ids, [vocab.to_draft(t) for t in token_ids], num_positions)
-        return [vocab.to_authority_rows(r) for r in rows]
+        return [vocab.to_authority_rows(r) for r in self._draft_rows(seq_ids, token_ids, num_positions)]
 
     @torch.inference_mode()
     def _next_logits(self, seq_ids, token_ids) -> list[torch.Tensor]:
         vocab = self.draft_vocab
         if vocab is None:
             return super()._next_logits(seq_ids, token_ids)
-        rows = self._score(seq_ids, [vocab.to_draft(t) for t in token_ids], [1] * len(seq_ids))
+        rows = self._draft_rows(seq_ids, token_ids, [1] * len(seq_ids))
         return [vocab.to_columns(r) for r in rows]  # over draft_columns (Worker.draft)
+
+    def _draft_rows(self, seq_ids, token_ids, num_positions) -> list[torch.Tensor]:
+        """A trimmed drafter's rows in draft ids ``[n, size]``. Caches hold draft ids: two
+        authority tokens outside the draft vocabulary are one input."""
+        vocab = self.draft_vocab
+        return self._score(seq_ids, [vocab.to_draft(t) for t in token_ids], num_positions)
 
     @torch.inference_mode()
     def score_tree(self, seq_ids, token_ids, trees) -> list[torch.Tensor]:
