@@ -217,11 +217,8 @@ class PassModel:
         return statistics.median(s * now / r[1] if r is not None and r[0] == ref_bucket and r[1] > 0 else s
                                  for s, r in zip(seconds, refs))
 
-    def pass_seconds(self, positions: float) -> float | None:
-        """Seconds of one pass computing ``positions`` positions; None before any call."""
-        fit = self.fit
-        if fit is None:
-            return None
+    def _curve(self) -> tuple[list[float], list[float]]:
+        """The measured buckets' (positions, seconds), ascending, made non-decreasing."""
         if self._points is None:
             reference = self._reference()
             measured = sorted((statistics.median(w), self._bucket_seconds(b, reference))
@@ -232,7 +229,20 @@ class PassModel:
                 xs.append(x)
                 ys.append(top)
             self._points = (xs, ys)
-        xs, ys = self._points
+        return self._points
+
+    def span(self) -> tuple[float, float] | None:
+        """The fewest and most positions per pass measured (by buckets of ``min_samples``
+        passes); None while no bucket has that many."""
+        xs = self._curve()[0]
+        return (xs[0], xs[-1]) if xs else None
+
+    def pass_seconds(self, positions: float) -> float | None:
+        """Seconds of one pass computing ``positions`` positions; None before any call."""
+        fit = self.fit
+        if fit is None:
+            return None
+        xs, ys = self._curve()
         a, b = fit
         if not xs:
             return a + b * positions
@@ -282,7 +292,8 @@ class LevelCost:
     not fitted: the policy prices decoding passes, and a few such calls, far out on the
     positions axis and dearer per position, would set the slope of the fit. (Fitting one model
     across batch sizes does not work: the calls of a shrinking or regrouping batch would
-    dominate it.)
+    dominate it. Only the shape is borrowed, beyond the widths a batch size has measured:
+    :meth:`_pass_seconds`.)
 
     Until a call has been measured, :meth:`observe` (seconds per pass as one sequence saw its
     share) gives a plain moving average of seconds per pass.
@@ -338,7 +349,32 @@ class LevelCost:
         if model is None or model.fit is None:
             return self.seconds
         batch = max(1, batch)
-        return model.pass_seconds(batch * width) / batch
+        return self._pass_seconds(model, batch_bucket(batch), batch * width) / batch
+
+    def _pass_seconds(self, model: PassModel, bucket: int, positions: float) -> float:
+        """``model``'s pass over ``positions``; outside the positions it has measured, its
+        measured edge times the ratio the nearest other batch size that has measured both
+        widths finds between them.
+
+        A batch size's line splits a pass into fixed and per-position cost only as far as its
+        passes differ in width: a batch that has only decoded (every pass one position per
+        sequence) gives the line an arbitrary split, which put SmolLM2's 8-position pass at batch
+        4 at twice its 4-position one (measured: 1.14x) and priced speculation out for good — a
+        width not chosen is not measured. Another batch size's measured shape is a far better
+        guess, an optimistic one where a larger batch pays more per position; a width then
+        chosen is measured, and its own bucket prices it from there."""
+        span = model.span()
+        if span is None or span[0] <= positions <= span[1]:
+            return model.pass_seconds(positions)
+        edge = span[1] if positions > span[1] else span[0]
+        lo, hi = min(edge, positions), max(edge, positions)
+        for _, other in sorted(self.buckets.items(), key=lambda kv: (abs(kv[0] - bucket), -kv[0])):
+            other_span = other.span() if other is not model else None
+            if other_span is not None and other_span[0] <= lo and hi <= other_span[1]:
+                base = other.pass_seconds(edge)
+                if base:
+                    return model.pass_seconds(edge) * other.pass_seconds(positions) / base
+        return model.pass_seconds(positions)
 
 
 BINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # lower edges of confidence bins

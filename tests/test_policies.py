@@ -245,6 +245,31 @@ def test_a_width_no_longer_chosen_is_priced_by_the_passes_run_now():
     assert cost.per_sequence(1, 2) == pytest.approx(0.050)
 
 
+def test_a_batch_that_has_only_decoded_prices_wider_passes_by_a_measured_shape():
+    """At batch 4 every pass so far scored one position per sequence (4 positions, 45 ms): its
+    line's split of a pass into fixed and per-position cost is arbitrary and priced 8 positions
+    at about twice 4. Batch 1 measured the shape (4 positions 44 ms, 8 positions 45 ms, 16 46 ms):
+    wider passes at batch 4 are priced by that ratio, and speculation that pays is chosen."""
+    cost = LevelCost()
+    for _ in range(10):
+        for width, seconds in {1: 0.041, 2: 0.043, 4: 0.044, 8: 0.045, 16: 0.046}.items():
+            cost.observe_pass(1, width, seconds, rows=1)
+    for _ in range(20):
+        cost.observe_pass(1, 4, 0.045, rows=4)  # batch 4, one position each
+    assert cost.per_sequence(4, 1) == pytest.approx(0.045 / 4)
+    assert cost.per_sequence(4, 2) == pytest.approx(0.045 * 45 / 44 / 4)
+    assert cost.per_sequence(4, 4) == pytest.approx(0.045 * 46 / 44 / 4)
+    assert cost.per_sequence(4, 8) == pytest.approx(cost.model(4).pass_seconds(32) / 4)  # measured nowhere: the line
+    est = Estimates()
+    est.costs["large"], est.costs["tiny"] = cost, LevelCost(seconds=1e-4)
+    edge = est.edge("tiny", "large")
+    edge.prior, edge.prior_weight = 0.5, 1e9
+    assert est.path_cost(("tiny", "large"), 4, batch=4)[1]["tiny"] >= 2
+    for _ in range(20):  # measured at batch 4 (1.14x for 8 positions, as SmolLM2's): its own shape
+        cost.observe_pass(1, 8, 0.045 * 1.14, rows=4)
+    assert cost.per_sequence(4, 2) == pytest.approx(0.045 * 1.14 / 4)
+
+
 # One float32 pass of SmolLM2-135M-Instruct on an AVX2 EPYC core by positions scored (ms, the
 # lean forward after a 200-token prefix, 2026-12-03): the second position costs most of a pass
 # (the matrix kernel changes with the rows), the next ones little.
