@@ -21,3 +21,19 @@ def test_cost_curve_reports_each_level_by_width(family, tmp_path, capsys):
         assert set(level["ms"]) == {"1", "3", "8"}
         assert all(r["repeats"] == 2 and 0 < r["min"] <= r["median"] <= r["max"] for r in level["ms"].values())
     assert main(["cost-curve", "-t", str(topo), "--positions", "0"]) == 2
+    capsys.readouterr()
+    for wrong in ("ngram", "nowhere"):  # no forward pass to measure: a clear error, not a traceback
+        assert main(["cost-curve", "-t", str(topo), "--levels", wrong, "--repeats", "1"]) == 2
+        assert f"--levels: {wrong} has no forward pass" in capsys.readouterr().err
+
+
+def test_cost_curve_measures_batched_passes(family, tmp_path, capsys):
+    """--batch B: B sequences a pass, each scoring the width (a server's verification)."""
+    topo = write_topology(tmp_path / "t.yaml", family_topology(family, ["tiny", "large"]))
+    out = tmp_path / "curve.json"
+    assert main(["cost-curve", "-t", str(topo), "--positions", "1,4", "--repeats", "2", "--prefix", "12",
+                 "--batch", "3", "--levels", "large", "--json", str(out)]) == 0
+    assert "large (float64), ms by new positions, 3 sequences a pass, each: 1:" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["batch"] == 3 and set(data["levels"]["large"]["ms"]) == {"1", "4"}
+    assert main(["cost-curve", "-t", str(topo), "--batch", "0"]) == 2

@@ -6,7 +6,9 @@ Speculation pays when scoring a block costs little more than scoring one token (
 read once either way); how much more depends on the processor and the dtype (bf16 differs
 between a CPU with AMX and one without). Widths and levels are measured interleaved, in a fresh
 random order each repeat, and reported as median (min–max) over the repeats, with torch's threads set
-and said.
+and said. ``--batch B`` measures a pass over B sequences at once, each scoring the width (B x width
+positions in all): what a verification costs a server decoding B requests, where a drafted position
+costs the verifier more than at batch 1.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--levels", nargs="*", default=None, help="levels to measure (default: every model level)")
     p.add_argument("--positions", default="1,2,4,8,16,32", help="widths to score, comma-separated")
     p.add_argument("--prefix", type=types.positive_int, default=200, help="tokens already in the cache")
+    p.add_argument("--batch", type=types.positive_int, default=1,
+                   help="sequences in each pass, each scoring the width (default 1)")
     p.add_argument("--repeats", type=types.positive_int, default=7)
     p.add_argument("--threads", type=types.positive_int, default=DEFAULT_THREADS)
     p.add_argument("--json", default=None, help="also write the figures here")
@@ -43,14 +47,23 @@ def run(args) -> int:
         print("cascade cost-curve: --positions must be integers >= 1", file=sys.stderr)
         return 2
     with torch_threads(args.threads) as threads, Cascade.from_topology(args.topology) as c:
-        levels = args.levels or [lv.name for lv in c.topology.spec.levels if c.workers[lv.name].can_score]
+        scoring = [lv.name for lv in c.topology.spec.levels if c.workers[lv.name].can_score]
+        levels = args.levels or scoring
+        wrong = [level for level in levels if level not in scoring]
+        if wrong:
+            print(f"cascade cost-curve: --levels: {', '.join(wrong)} has no forward pass to measure here "
+                  f"(an n-gram level, a feature head, or not in the topology); levels with one: "
+                  f"{', '.join(scoring)}", file=sys.stderr)
+            return 2
         print(threads_line(threads))
-        result = {"topology": args.topology, "threads": threads, "prefix": args.prefix, "levels": {}}
-        times = measure({level: c.workers[level] for level in levels}, widths, args.prefix, args.repeats)
+        result = {"topology": args.topology, "threads": threads, "prefix": args.prefix, "batch": args.batch,
+                  "levels": {}}
+        times = measure({level: c.workers[level] for level in levels}, widths, args.prefix, args.repeats, args.batch)
+        per = f", {args.batch} sequences a pass, each" if args.batch > 1 else ""
         for level in levels:
             spreads = {w: Spread.of([t * 1000 for t in ts]) for w, ts in times[level].items()}
             dtype = c.topology.spec.level(level).dtype
-            print(f"{level} ({dtype}), ms by new positions: "
+            print(f"{level} ({dtype}), ms by new positions{per}: "
                   + "  ".join(f"{w}: {s.format('.1f')}" for w, s in spreads.items()))
             one = spreads[widths[0]].median
             print(f"  cost relative to {widths[0]} position(s): "
@@ -64,26 +77,29 @@ def run(args) -> int:
     return 0
 
 
-def measure(workers: dict, widths: list[int], prefix: int, repeats: int) -> dict[str, dict[int, list[float]]]:
-    """Seconds of one ``score`` call over ``w`` new positions after ``prefix`` cached tokens, per
-    level and width, ``repeats`` times: each repeat takes the widths in a fresh random order and,
-    for each width, the levels in a fresh random order (side by side, so that levels compare
-    under the same conditions)."""
+def measure(workers: dict, widths: list[int], prefix: int, repeats: int,
+            batch: int = 1) -> dict[str, dict[int, list[float]]]:
+    """Seconds of one ``score`` call over ``w`` new positions after ``prefix`` cached tokens for
+    each of ``batch`` sequences, per level and width, ``repeats`` times: each repeat takes the
+    widths in a fresh random order and, for each width, the levels in a fresh random order (side
+    by side, so that levels compare under the same conditions)."""
     rng = random.Random(0)
     vocab = min(worker.vocab_size for worker in workers.values())
-    base = [rng.randrange(vocab) for _ in range(prefix)]
+    ids = [f"cost-curve-{b}" for b in range(batch)]
+    bases = [[rng.randrange(vocab) for _ in range(prefix)] for _ in ids]
+    ones = [1] * batch
     for worker in workers.values():
-        worker.score(["cost-curve"], [base], [1])  # warm-up and prefill
+        worker.score(ids, bases, ones)  # warm-up and prefill
     times: dict[str, dict[int, list[float]]] = {level: {w: [] for w in widths} for level in workers}
     for _ in range(repeats):
         for w in rng.sample(widths, len(widths)):
-            new = [rng.randrange(vocab) for _ in range(w)]
+            new = [base + [rng.randrange(vocab) for _ in range(w)] for base in bases]
             for level in rng.sample(list(workers), len(workers)):
                 worker = workers[level]
-                worker.score(["cost-curve"], [base], [1])  # the cache holds the prefix alone
+                worker.score(ids, bases, ones)  # the cache holds the prefix alone
                 started = time.perf_counter()
-                worker.score(["cost-curve"], [base + new], [w])
+                worker.score(ids, new, [w] * batch)
                 times[level][w].append(time.perf_counter() - started)
     for worker in workers.values():
-        worker.release(["cost-curve"])
+        worker.release(ids)
     return times
