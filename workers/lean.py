@@ -79,6 +79,13 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     # Grouped-query attention: the kernel reads each key/value head for its group of query heads
     # (the same products as over repeated keys; SmolLM2, 200 columns: ~0.1 ms a layer saved).
     gqa = {"enable_gqa": True} if groups > 1 and _sdpa_gqa() else {}
+    # A pass over several positions folds each key/value head's group of query heads into the
+    # query length instead ([rows, kv_heads, groups x width, head_dim] against the unrepeated
+    # keys, the mask repeated per group): the same rows of the same products, and torch's CPU
+    # attention kernel runs it far faster than its grouped-query path (one thread, SmolLM2's 9/3
+    # heads, 200 columns, batch 4: 355 -> 181 us a layer for 2 positions, 416 -> 242 for 4; batch
+    # 1, 400 columns: 144 -> 110; outputs bit for bit equal). One position keeps the grouped path,
+    # faster there.
     # Each layer's tensors, fetched once (a module call and its attribute lookups cost more than
     # a small model's matrix product); the ops below are the modules' own, in their order.
     weights = [(
@@ -103,6 +110,9 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = attention_mask(valid, width, layers[0].get_seq_length() + width, hidden.device, among)
+        fold = groups > 1 and width > 1  # (mask is never None over several positions)
+        if fold:
+            mask = mask.repeat(1, 1, groups, 1)
         for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act, head_norms), cache in zip(weights, layers):
             x = _rms(hidden, *norm1)
             q = wq(x).view(rows, width, -1, head_dim)
@@ -114,9 +124,13 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             keys, values = cache.update(k, v)
-            if groups > 1 and not gqa:
-                keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, **gqa)
+            if fold:
+                out = F.scaled_dot_product_attention(q.reshape(rows, -1, groups * width, head_dim), keys, values,
+                                                     attn_mask=mask, scale=scaling).reshape(rows, -1, width, head_dim)
+            else:
+                if groups > 1 and not gqa:
+                    keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, **gqa)
             hidden = hidden + wo(out.transpose(1, 2).reshape(rows, width, -1))
             x = _rms(hidden, *norm2)
             hidden = hidden + down(act(gate(x)) * up(x))
