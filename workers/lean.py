@@ -85,7 +85,8 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     # attention kernel runs it far faster than its grouped-query path (one thread, SmolLM2's 9/3
     # heads, 200 columns, batch 4: 355 -> 181 us a layer for 2 positions, 416 -> 242 for 4; batch
     # 1, 400 columns: 144 -> 110; outputs bit for bit equal). One position keeps the grouped path,
-    # faster there.
+    # faster there, and so do passes wider than FOLD_MOST_POSITIONS (prefills), where the fold
+    # loses (batch 1, 150 new positions: 0.64 -> 0.69 ms; 32 after 300: 0.35 -> 0.46).
     # Each layer's tensors, fetched once (a module call and its attribute lookups cost more than
     # a small model's matrix product); the ops below are the modules' own, in their order.
     weights = [(
@@ -110,7 +111,7 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = attention_mask(valid, width, layers[0].get_seq_length() + width, hidden.device, among)
-        fold = groups > 1 and width > 1  # (mask is never None over several positions)
+        fold = groups > 1 and 1 < width <= FOLD_MOST_POSITIONS  # (mask is never None over several positions)
         if fold:
             mask = mask.repeat(1, 1, groups, 1)
         for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act, head_norms), cache in zip(weights, layers):
@@ -142,6 +143,10 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         return lm_head(hidden)
 
     return forward
+
+
+# The widest pass whose grouped-query attention is folded into the query length (above).
+FOLD_MOST_POSITIONS = 16
 
 
 def _sdpa_gqa() -> bool:
