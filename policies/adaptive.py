@@ -347,7 +347,7 @@ class EscalationPolicy(CostAwarePolicy):
         kind is "probe", "explore" or "exploit"."""
         candidates = self._candidates(ctx)
         if self._last_step is not None and ctx.step < self._last_step and ctx.batch_size == 1:
-            self._new_request(candidates)
+            self._new_request(candidates, ctx, max_lookahead)
         self._last_step = ctx.step
         priced = self._priced(("paths", ctx.available, ctx.batch_size, max_lookahead),
                               lambda estimates: self._price_paths(ctx, candidates, max_lookahead, estimates))
@@ -456,23 +456,34 @@ class EscalationPolicy(CostAwarePolicy):
             k = k if self.verify_budget is not None else max(k, self.max_lookahead)
         return StepPlan(plan.path, {**plan.lookahead, level: k}, stop, plan.tree, {plan.path[0]: level})
 
-    def _new_request(self, candidates: list[tuple[str, ...]]) -> None:
+    def _new_request(self, candidates: list[tuple[str, ...]], ctx: PlanContext, max_lookahead: int) -> None:
         """A new request (at batch 1) is a new text. Prompt lookup's acceptance belongs to the
         request — it pays where the answer repeats its prompt, up to 9 of 10 tokens, and not at
         all elsewhere — so its estimates keep their means but carry only ``lookup_carry``
         observations' worth into the new request, and its paths are probed at once (a probe
         that finds no match to propose is retried at no cost): the request's own blocks then
-        decide, instead of whichever requests the shared estimates last saw."""
+        decide, instead of whichever requests the shared estimates last saw.
+
+        A drafter's path priced out (its first level drafting nothing: lookahead 0) is treated
+        so too — its first edge softened to ``lookup_carry`` observations, the path probed at
+        once. Priced out, it is neither chosen nor named to stand in, so nothing but sparse
+        probe rounds would measure it again: one text where it drafted badly (a drafter's
+        acceptance swings several-fold between texts) would rule it out for good. A drafter
+        priced in keeps its estimates (its own blocks keep measuring it)."""
         kinds = self.estimates.kinds
         lookup = [p for p in candidates if len(p) > 1 and kinds.get(p[0]) == "ngram"]
-        if not lookup:
+        priced = self._price_paths(ctx, candidates, max_lookahead, self._estimates())
+        out = [p for p in candidates if len(p) > 1 and kinds.get(p[0]) != "ngram" and p not in lookup
+               and priced[p][2] is None and priced[p][1].get(p[0], 0) == 0]
+        if not lookup and not out:
             return
+        soften = {p[:2] for p in out}
         for estimates in self.contexts.values():
-            for (proposer, _), edge in estimates.edges.items():
-                if kinds.get(proposer) == "ngram":
+            for (proposer, verifier), edge in estimates.edges.items():
+                if kinds.get(proposer) == "ngram" or (proposer, verifier) in soften:
                     edge.soften(self.lookup_carry)
         self._prices.clear()
-        for path in lookup:
+        for path in lookup + out:
             if path not in self._probes:
                 self._probes.append(path)
                 self._request_probes.add(path)

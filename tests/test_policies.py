@@ -638,6 +638,53 @@ def test_a_new_request_measures_prompt_lookup_afresh():
     assert all(kind == "exploit" for _, kind in steps[1:])
 
 
+def test_a_new_request_measures_a_priced_out_drafter_afresh():
+    """A drafter priced out on earlier texts (its path drafting nothing: lookahead 0) is neither
+    chosen nor named to stand in, so only sparse probe rounds would ever measure it again. A new
+    request probes its path at once and keeps its estimate's mean with only ``lookup_carry``
+    observations of it, so that the request's own blocks decide: here its probe's block is
+    accepted and prices it back in. A drafter priced in is left as it was. Without the
+    re-measuring it stays priced out, whatever the new text."""
+    graph = nx.DiGraph([("tiny", "large"), ("small", "large")])
+
+    def run(remeasure: bool):
+        policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9, lookup_carry=4.0,
+                                        pool_weight=0.0), graph)
+        est = policy.estimates
+        for level, seconds in (("tiny", 0.002), ("small", 0.004), ("large", 0.010)):
+            for width in (1, 2, 3, 4, 5):
+                for _ in range(10):
+                    est.costs.setdefault(level, LevelCost()).observe_pass(1, width, seconds, rows=1)
+        for _ in range(40):  # earlier texts: tiny's blocks rejected, small's accepted half the time
+            est.observe(feedback(StepPlan(("tiny", "large"), {"tiny": 3}), [("tiny", "large", 3, 0)], {}, {}))
+            est.observe(feedback(StepPlan(("small", "large"), {"small": 2}), [("small", "large", 2, 1)], {}, {}))
+        tiny, small = est.edge("tiny", "large"), est.edge("small", "large")
+        if not remeasure:
+            policy._new_request = lambda *args: None
+
+        def plan(step):
+            path, lookahead, kind, _ = policy._choose(PlanContext(graph, "large", 100, step, frozenset(graph.nodes)), 8)
+            edges = [(path[0], "large", lookahead[path[0]], lookahead[path[0]])] if len(path) > 1 else []
+            policy.observe(feedback(StepPlan(path, lookahead), edges, {}, {}))  # this text: every block accepted
+            return path, kind
+
+        assert plan(50)[0] == ("small", "large")  # the old text: tiny priced out, small decoding
+        tiny_mean, small_before = tiny.accepted[0] / tiny.seen[0], list(small.seen)
+        first = plan(0)  # a new request
+        if remeasure:  # lookup_carry observations of the old mean, then the probe's accepted block
+            assert tiny.seen[0] == pytest.approx(4.0 * 0.98 + 1.0)
+            assert tiny.accepted[0] == pytest.approx(4.0 * tiny_mean * 0.98 + 1.0)
+            assert small.seen == small_before  # priced in: left as it was
+        c = PlanContext(graph, "large", 100, 1, frozenset(graph.nodes))
+        return first, policy._price_paths(c, policy._candidates(c), 8, policy._estimates())[("tiny", "large")][1]
+
+    first, lookahead = run(remeasure=True)
+    assert first == (("tiny", "large"), "probe")
+    assert lookahead["tiny"] >= 1  # its own block priced it back in: it may be chosen (or stand in) again
+    first, lookahead = run(remeasure=False)
+    assert first[0] != ("tiny", "large") and lookahead["tiny"] == 0  # without: out for the whole request
+
+
 def test_a_request_s_lookup_probe_waits_for_its_first_match_while_the_authority_decodes_alone():
     """Where the policy decodes with the authority alone, a new request's probe of prompt
     lookup that finds no match is retried past ``probe_retries`` — each retry is the
@@ -660,6 +707,8 @@ def test_a_request_s_lookup_probe_waits_for_its_first_match_while_the_authority_
         def plan(step, proposed=0, accepted=0):
             path, lookahead, kind, _ = policy._choose(PlanContext(graph, "large", 100, step, frozenset(graph.nodes)), 8)
             edges = [("ngram", "large", proposed, accepted)] if path[0] == "ngram" else []
+            if path[0] == "tiny":
+                edges = [("tiny", "large", lookahead["tiny"], min(tiny_accepts, lookahead["tiny"]))]
             policy.observe(feedback(StepPlan(path, lookahead), edges, {}, {}))
             return path, kind
 
@@ -669,7 +718,8 @@ def test_a_request_s_lookup_probe_waits_for_its_first_match_while_the_authority_
 
     current, steps, matched = run(tiny_accepts=0)  # tiny useless: the authority decodes alone
     assert current == ("large",)
-    assert all(s == (("ngram", "large"), "probe") for s in steps)
+    assert steps[0] == (("tiny", "large"), "probe")  # priced out: the new request measures it once
+    assert all(s == (("ngram", "large"), "probe") for s in steps[1:])
     assert matched == (("ngram", "large"), "probe")  # the first match is measured
     current, steps, matched = run(tiny_accepts=3)  # tiny decoding: retries cost its blocks
     assert current == ("tiny", "large")
