@@ -473,7 +473,7 @@ class EscalationPolicy(CostAwarePolicy):
         kinds = self.estimates.kinds
         lookup = [p for p in candidates if len(p) > 1 and kinds.get(p[0]) == "ngram"]
         priced = self._price_paths(ctx, candidates, max_lookahead, self._estimates())
-        out = [p for p in candidates if len(p) > 1 and kinds.get(p[0]) != "ngram" and p not in lookup
+        out = [p for p in candidates if len(p) > 1 and kinds.get(p[0]) != "ngram"
                and priced[p][2] is None and priced[p][1].get(p[0], 0) == 0]
         if not lookup and not out:
             return

@@ -45,6 +45,10 @@ ARCHITECTURES = {
 }
 
 
+# The widest pass whose grouped-query attention is folded into the query length (lean_forward).
+FOLD_MOST_POSITIONS = 16
+
+
 def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, pack: bool | None = None
                  ) -> Forward | None:
     """``forward(input_ids, position_ids, layers, valid, keep) -> logits`` for ``model``, or None.
@@ -143,10 +147,6 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         return lm_head(hidden)
 
     return forward
-
-
-# The widest pass whose grouped-query attention is folded into the query length (above).
-FOLD_MOST_POSITIONS = 16
 
 
 def _sdpa_gqa() -> bool:
