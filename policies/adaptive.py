@@ -384,11 +384,10 @@ class EscalationPolicy(CostAwarePolicy):
                 self._prices.clear()
                 self._judge_round = True
             shape = self._probe_shape(ctx, path)
-            lookahead = {n: max(1, k) for n, k in priced[path][1].items()}
+            lookahead = priced[path][1]
             if shape is None and priced[path][2] is not None:  # the chain's own lookahead
-                lookahead = {n: max(1, k) for n, k in self._estimates().path_cost(
-                    path, max_lookahead, batch=ctx.batch_size)[1].items()}
-            return path, lookahead, "probe", shape
+                lookahead = self._estimates().path_cost(path, max_lookahead, batch=ctx.batch_size)[1]
+            return path, _probing(path, lookahead), "probe", shape
         drafting = [p for p in candidates if len(p) > 1]
         if drafting and self._exploring():
             path = self.rng.choice(drafting)
@@ -600,6 +599,14 @@ class AutoPolicy(EscalationPolicy):
         extra = (wide - one) / k if one is not None and wide is not None else 0.0
         value = rates[verifier] * estimates.calibration(first, verifier).mean(Calibration.LATER)
         return min(0.9, max(0.02, (draft + extra) / value)) if value > 0 else 0.9
+
+
+def _probing(path: tuple[str, ...], lookahead: dict[str, int]) -> dict[str, int]:
+    """``lookahead`` for a probe of ``path``, which must measure every edge on it: the first
+    level drafts at least one token, and a middle level at least two — one from the level below
+    and its own — since a level asks the one below for at most its lookahead less one (a middle
+    level priced at 1 would leave the edge below it unmeasured, probe after probe)."""
+    return {n: max(1 if j == 0 else 2, lookahead.get(n, 0)) for j, n in enumerate(path[:-1])}
 
 
 def _with_tree(plan: StepPlan, path: tuple[str, ...], shape: tuple[int, ...] | None,

@@ -92,14 +92,27 @@ def test_a_tree_is_bounded_in_size():
 
 def test_auto_chooses_between_chains_and_trees_with_greedy_identity(four, family, tokenizer):
     """`auto` prices its tree shapes beside the chain on every path whose first level can score,
-    and its probes try each: greedy output stays plain decoding's whatever it chose."""
+    and its probes try each, measuring every edge of the path: greedy output stays plain
+    decoding's whatever it chose."""
     from policies.adaptive import AutoPolicy
 
-    policy = AutoPolicy(warmup=2, probe_every=4, trees=[[2, 2, 1], [3, 1]])
+    class Recorded(AutoPolicy):
+        def plan(self, ctx):
+            p = super().plan(ctx)
+            if len(p.path) > 1:
+                drafted.append(bool(p.tree))
+            return p
+
+    drafted: list[bool] = []  # per drafting step: whether its first level drafted a tree
+    policy = Recorded(warmup=2, probe_every=4, trees=[[2, 2, 1], [3, 1]])
     total = None
     for prompt in prompts_from_text(tokenizer, 4):
         g = four.generate(prompt, max_new_tokens=40, temperature=0.0, policy=policy)
         assert g.token_ids == reference_greedy(family / "large", prompt, 40), prompt
         total = g.stats if total is None else total.merge(g.stats)
-    assert sum(e.tree_nodes for e in total.edges.values()) > 0  # trees were drafted
-    assert any(e.proposed > e.tree_nodes for e in total.edges.values())  # and chains
+    assert True in drafted and False in drafted  # trees and chains were drafted
+    assert sum(e.tree_nodes for e in total.edges.values()) > 0
+    # probes give a middle level room for the level below: each of the six edges was measured
+    names = ["tiny", "small", "medium", "large"]
+    edges = {f"{a}->{b}" for i, a in enumerate(names) for b in names[i + 1:]}
+    assert edges <= {k for k, e in total.edges.items() if e.proposed > 0}, sorted(total.edges)
