@@ -128,9 +128,10 @@ class _StepRecord:
                        for e in self.edges)
         return StepProvenance(plan.path, tuple(tokens), tuple(origins), blocks)
 
-    def feedback(self, plan: StepPlan, produced: int, seq_id: str) -> StepFeedback:
+    def feedback(self, plan: StepPlan, produced: int, seq_id: str, sampled: bool) -> StepFeedback:
         confidence = sum(self.confidence) / len(self.confidence) if self.confidence else None
-        return StepFeedback(plan, tuple(self.edges), self.seconds, self.passes, produced, confidence, seq_id)
+        return StepFeedback(plan, tuple(self.edges), self.seconds, self.passes, produced, confidence, seq_id,
+                            sampled=sampled)
 
 
 @dataclass(slots=True)
@@ -292,7 +293,7 @@ class Engine:
         seqs = [_Seq(s, _StepRecord(s.stats), s.request.prompt_ids + s.generated, b) for s, b in zip(group, budgets)]
         self._extend(seqs, len(plan.path) - 1, plan, policy)
         for s in seqs:
-            policy.observe(s.record.feedback(plan, len(s.tokens), s.state.seq_id))
+            policy.observe(s.record.feedback(plan, len(s.tokens), s.state.seq_id, not s.state.request.sampling.greedy))
             if s.state.provenance is not None:
                 s.state.provenance.append(s.record.provenance(plan, s.tokens, s.origins))
         return [s.tokens for s in seqs]
@@ -533,7 +534,7 @@ class Batch:
         policy = group[0].policy or self.policy  # the group shares one (see step)
         remaining = [self._limits[s.seq_id] - len(s.generated) for s in group]
         ctx = PlanContext(engine.graph, engine.authority, max(remaining), min(s.stats.steps for s in group),
-                          available, batch_size=len(self.active))
+                          available, batch_size=len(self.active), sampled=not group[0].request.sampling.greedy)
         plan = policy.plan(ctx)
         try:
             outs = engine.step(group, plan, remaining, policy)

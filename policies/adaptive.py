@@ -6,6 +6,7 @@ happened in earlier steps; stop rules see only the drafter's own distribution.
 """
 from __future__ import annotations
 
+import copy
 import random
 from typing import Annotated, Any, Literal
 
@@ -186,6 +187,8 @@ class CostAwarePolicy(_PathMixin, Policy):
         self.rng = random.Random(p.seed)
         self.steps = 0
         self._init_path(getattr(p, "path", None))  # escalation and auto choose the path per step
+        self._regime = False  # whether the estimates in use are sampled steps' (or greedy ones')
+        self._regimes: dict[bool, list] = {}  # the other regime's state, once it has been seen
 
     def bind(self, graph: nx.DiGraph, authority: str) -> None:
         super().bind(graph, authority)
@@ -217,17 +220,60 @@ class CostAwarePolicy(_PathMixin, Policy):
                 break
         return StepPlan(path, {n: lookahead[n] for n in path[:-1]})
 
+    #: what the policy learned of acceptance and chose from it, kept apart per sampling regime
+    _regime_state: tuple[str, ...] = ("estimates",)
+
+    def _use_regime(self, sampled: bool) -> None:
+        """Greedy and sampled steps keep apart what they measure of acceptance (and what they
+        chose from it): a drafter agrees with the authority's most likely token far more often
+        than with its sample (SmolLM2's prompt lookup: 0.59 accepted greedy, 0.17 at T = 0.8),
+        so one set of estimates for both would price each regime with the other's blocks — a
+        server taking greedy and sampled requests side by side, or a benchmark interleaving
+        them. Costs are the levels' and stay shared. A regime seen for the first time starts
+        from the other's estimates, each edge's acceptance carried over as ``REGIME_CARRY``
+        observations: its own blocks soon outweigh them, and every path keeps a measured
+        price rather than the optimistic prior (which would be tried path by path)."""
+        if sampled == self._regime:
+            return
+        self._regimes[self._regime] = [getattr(self, a) for a in self._regime_state]
+        state = self._regimes.pop(sampled, None)
+        if state is None:
+            costs = self.estimates.costs
+            state = copy.deepcopy(self._regimes[self._regime], {id(costs): costs})
+            for estimates in _all_estimates(state):
+                for edge in estimates.edges.values():
+                    edge.soften(REGIME_CARRY)
+        for attr, value in zip(self._regime_state, state):
+            setattr(self, attr, value)
+        self._regime = sampled
+
     def plan(self, ctx: PlanContext) -> StepPlan:
+        self._use_regime(ctx.sampled)
         path = self._path(ctx)
         _, lookahead = self.estimates.path_cost(path, self.max_lookahead, batch=ctx.batch_size)
         return self._under_load(ctx, path, self._explore(lookahead))
 
     def observe(self, feedback: StepFeedback) -> None:
         self.steps += 1
+        self._use_regime(feedback.sampled)
         self.estimates.observe(feedback)
 
     def observe_pass(self, cost: PassCost) -> None:
         self.estimates.observe_pass(cost)
+
+
+#: observations' worth of acceptance a sampling regime seen for the first time takes from the other
+REGIME_CARRY = 4
+
+
+def _all_estimates(state: list) -> list[Estimates]:
+    """The :class:`Estimates` in a policy's regime state (directly, or as a dict's values)."""
+    found = {}
+    for value in state:
+        for e in (value.values() if isinstance(value, dict) else (value,)):
+            if isinstance(e, Estimates):
+                found[id(e)] = e
+    return list(found.values())
 
 
 class EscalationPolicy(CostAwarePolicy):
@@ -265,6 +311,8 @@ class EscalationPolicy(CostAwarePolicy):
 
     name = "escalation"
     Params = EscalationParams
+    # per sampling regime: the estimates (per context), the path chosen from them, their prices
+    _regime_state = ("estimates", "contexts", "_current", "_prices")
 
     def __init__(self, params: EscalationParams | None = None, /, **kwargs: Any):
         super().__init__(params, **kwargs)
@@ -345,6 +393,7 @@ class EscalationPolicy(CostAwarePolicy):
                 ) -> tuple[tuple[str, ...], dict[str, int], str, tuple[int, ...] | None]:
         """(path, lookahead up to ``max_lookahead``, kind, tree shape of the first edge or None):
         kind is "probe", "explore" or "exploit"."""
+        self._use_regime(ctx.sampled)
         candidates = self._candidates(ctx)
         if self._last_step is not None and ctx.step < self._last_step and ctx.batch_size == 1:
             self._new_request(candidates, ctx, max_lookahead)
@@ -517,6 +566,7 @@ class EscalationPolicy(CostAwarePolicy):
 
     def observe(self, feedback: StepFeedback) -> None:
         self.steps += 1
+        self._use_regime(feedback.sampled)
         if self._probing is not None and not self._probing[1] and feedback.plan.path == self._probing[0]:
             self._probing = (self._probing[0], any(e.proposed > 0 for e in feedback.edges), self._probing[2])
         self.contexts[self._context].observe(feedback)

@@ -100,6 +100,7 @@ class PlanContext:
     step: int  # 0-based step index within the request
     available: frozenset[str]  # levels that are up; the authority is always among them
     batch_size: int = 1
+    sampled: bool = False  # whether the step samples (temperature > 0) or decodes greedily
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ class StepFeedback:
     committed: int
     confidence: float | None = None  # mean probability the path's first level gave its drafts
     seq_id: str | None = None  # the sequence this step advanced
+    sampled: bool = False  # whether the step sampled (temperature > 0) or decoded greedily
 
 
 @dataclass(frozen=True)

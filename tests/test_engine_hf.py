@@ -58,6 +58,35 @@ def test_greedy_identity_on_every_path_shape(family, tokenizer, tmp_path):
             assert c.generate(prompt, max_new_tokens=40, policy=policy).token_ids == want, path
 
 
+def test_the_policy_is_told_whether_a_step_samples(family, tokenizer, tmp_path):
+    """Each plan and each step's feedback say whether the group samples, so that `auto` keeps
+    greedy and sampled estimates apart: a sampled request leaves the greedy ones as they were."""
+    from policies.adaptive import AutoPolicy
+
+    class Told(AutoPolicy):
+        def plan(self, ctx):
+            told.append(("plan", ctx.sampled))
+            return super().plan(ctx)
+
+        def observe(self, feedback):
+            told.append(("observe", feedback.sampled))
+            super().observe(feedback)
+
+    told: list[tuple[str, bool]] = []
+    topo = write_topology(tmp_path / "t.yaml", family_topology(family, ["small", "large"]))
+    prompt = tokenizer.encode("class Stack:\n")
+    with Cascade.from_topology(topo) as c:
+        policy = Told(warmup=1)
+        c.generate(prompt, max_new_tokens=30, temperature=0.0, policy=policy)
+        greedy, n = policy.estimates, len(told)
+        before = {key: list(edge.seen) for key, edge in greedy.edges.items()}
+        assert before and {sampled for _, sampled in told} == {False}
+        c.generate(prompt, max_new_tokens=30, temperature=0.8, seed=3, policy=policy)
+    assert told[n:] and {sampled for _, sampled in told[n:]} == {True}
+    assert policy.estimates is not greedy and policy.estimates.edges
+    assert {key: list(edge.seen) for key, edge in greedy.edges.items()} == before
+
+
 @pytest.fixture(scope="module")
 def peaked_family(tmp_path_factory):
     """Three levels over an 8-token vocabulary with sharp, disagreeing distributions."""

@@ -28,8 +28,8 @@ def bound(policy, graph=CHAIN):
     return policy
 
 
-def feedback(plan, edges, seconds, passes, confidence=None):
-    return StepFeedback(plan, tuple(EdgeOutcome(*e) for e in edges), seconds, passes, 1, confidence)
+def feedback(plan, edges, seconds, passes, confidence=None, sampled=False):
+    return StepFeedback(plan, tuple(EdgeOutcome(*e) for e in edges), seconds, passes, 1, confidence, sampled=sampled)
 
 
 def step(token_prob=0.9, block_prob=0.9, entropy=0.1, index=0):
@@ -683,6 +683,58 @@ def test_a_new_request_measures_a_priced_out_drafter_afresh():
     assert lookahead["tiny"] >= 1  # its own block priced it back in: it may be chosen (or stand in) again
     first, lookahead = run(remeasure=False)
     assert first[0] != ("tiny", "large") and lookahead["tiny"] == 0  # without: out for the whole request
+
+
+def test_greedy_and_sampled_steps_keep_their_own_estimates():
+    """Prompt lookup accepted whole when decoding greedily and rejected when sampling (as on
+    SmolLM2, 0.59 against 0.17): each regime is priced with its own blocks — greedy steps keep
+    prompt lookup, sampled ones leave it for the drafter — and the sampled regime, first seen,
+    starts from the greedy estimates carried over as ``REGIME_CARRY`` observations, costs
+    shared. With one set of estimates for both, the greedy blocks keep the sampled steps on
+    prompt lookup."""
+    from policies.adaptive import REGIME_CARRY
+
+    graph = nx.DiGraph([("ngram", "large"), ("tiny", "large")])
+    graph.nodes["ngram"]["kind"] = "ngram"
+
+    def run(apart: bool):
+        policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9, pool_weight=0.0), graph)
+        if not apart:
+            policy._use_regime = lambda sampled: None
+        greedy = policy.estimates
+        for level, seconds in (("ngram", 0.0), ("tiny", 0.002), ("large", 0.010)):
+            for width in (1, 2, 3, 4, 5):
+                for _ in range(10):
+                    greedy.costs.setdefault(level, LevelCost()).observe_pass(1 if seconds else 0, width, seconds, rows=1)
+        steps = iter(range(10**6))  # one request: the step never drops back
+
+        def plan(sampled, lookup_accepts=None):
+            c = PlanContext(graph, "large", 100, next(steps), frozenset(graph.nodes), sampled=sampled)
+            path, lookahead, kind, _ = policy._choose(c, 8)
+            if lookup_accepts is not None:  # teach: both drafters' blocks this step
+                for path, accepted in ((("ngram", "large"), lookup_accepts), (("tiny", "large"), 1)):
+                    policy.observe(feedback(StepPlan(path, {path[0]: 3}), [(path[0], "large", 3, accepted)], {}, {},
+                                            sampled=sampled))
+            return path
+
+        for _ in range(40):
+            plan(False, lookup_accepts=3)
+        lookup = greedy.edge("ngram", "large")
+        lookup_mean = lookup.accepted[0] / lookup.seen[0]
+        assert plan(False) == ("ngram", "large")
+        plan(True)  # the first sampled step
+        if apart:
+            sampled = policy.estimates
+            assert sampled is not greedy and sampled.costs is greedy.costs
+            lookup = sampled.edge("ngram", "large")
+            assert lookup.seen[0] == pytest.approx(REGIME_CARRY)
+            assert lookup.accepted[0] / lookup.seen[0] == pytest.approx(lookup_mean)
+        for _ in range(40):
+            plan(True, lookup_accepts=0)
+        return plan(True), plan(False)
+
+    assert run(apart=True) == (("tiny", "large"), ("ngram", "large"))
+    assert run(apart=False) == (("ngram", "large"), ("ngram", "large"))  # the sampled steps misled
 
 
 def test_a_request_s_lookup_probe_waits_for_its_first_match_while_the_authority_decodes_alone():
