@@ -113,6 +113,14 @@ def test_path_cost_follows_the_speedup_equation():
     assert est.path_cost(("tiny", "large"), 8)[1]["tiny"] == 0
 
 
+def measured_costs(est, seconds=(("ngram", 0.0), ("tiny", 0.002), ("large", 0.010))):
+    """Each level's pass measured at widths 1-5 (an n-gram level's at no cost, in no pass)."""
+    for level, cost in seconds:
+        for width in (1, 2, 3, 4, 5):
+            for _ in range(10):
+                est.costs.setdefault(level, LevelCost()).observe_pass(1 if cost else 0, width, cost, rows=1)
+
+
 def teach(policy, plan_path, edges, seconds, rounds=60, confidence=None):
     plan = StepPlan(plan_path, {n: 4 for n in plan_path[:-1]})
     for _ in range(rounds):
@@ -608,10 +616,7 @@ def test_a_new_request_measures_prompt_lookup_afresh():
     graph.nodes["ngram"]["kind"] = "ngram"
     policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9, lookup_carry=4.0), graph)
     est = policy.estimates
-    for level, seconds in (("ngram", 0.0), ("tiny", 0.002), ("large", 0.010)):
-        for width in (1, 2, 3, 4, 5):
-            for _ in range(10):
-                est.costs.setdefault(level, LevelCost()).observe_pass(1 if seconds else 0, width, seconds, rows=1)
+    measured_costs(est)
     for _ in range(40):  # earlier requests: prompt lookup rejected, tiny so-so
         est.observe(feedback(StepPlan(("ngram", "large"), {"ngram": 3}), [("ngram", "large", 3, 0)], {}, {}))
         est.observe(feedback(StepPlan(("tiny", "large"), {"tiny": 3}), [("tiny", "large", 3, 1)], {}, {}))
@@ -702,10 +707,7 @@ def test_greedy_and_sampled_steps_keep_their_own_estimates():
         if not apart:
             policy._use_regime = lambda sampled: None
         greedy = policy.estimates
-        for level, seconds in (("ngram", 0.0), ("tiny", 0.002), ("large", 0.010)):
-            for width in (1, 2, 3, 4, 5):
-                for _ in range(10):
-                    greedy.costs.setdefault(level, LevelCost()).observe_pass(1 if seconds else 0, width, seconds, rows=1)
+        measured_costs(greedy)
         steps = iter(range(10**6))  # one request: the step never drops back
 
         def plan(sampled, lookup_accepts=None):
@@ -748,10 +750,7 @@ def test_a_request_s_lookup_probe_waits_for_its_first_match_while_the_authority_
     def run(tiny_accepts: int):
         policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9, lookup_carry=4.0), graph)
         est = policy.estimates
-        for level, seconds in (("ngram", 0.0), ("tiny", 0.002), ("large", 0.010)):
-            for width in (1, 2, 3, 4, 5):
-                for _ in range(10):
-                    est.costs.setdefault(level, LevelCost()).observe_pass(1 if seconds else 0, width, seconds, rows=1)
+        measured_costs(est)
         for _ in range(40):  # earlier requests: prompt lookup rejected
             est.observe(feedback(StepPlan(("ngram", "large"), {"ngram": 3}), [("ngram", "large", 3, 0)], {}, {}))
             est.observe(feedback(StepPlan(("tiny", "large"), {"tiny": 3}), [("tiny", "large", 3, tiny_accepts)], {}, {}))
