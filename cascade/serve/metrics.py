@@ -7,13 +7,16 @@ step's plan and edge outcomes, the ``/metrics`` route renders.
 
 Meanings (vLLM's where the name is vLLM's):
 
-- ``spec_decode_num_drafts{edge}``: blocks proposed along ``edge`` ("proposer->verifier");
-  ``spec_decode_num_draft_tokens{edge}``, ``spec_decode_num_accepted_tokens{edge}``: tokens
-  proposed and accepted; ``spec_decode_num_accepted_tokens_per_pos{edge,position}``: accepted
-  tokens at each 0-based draft position. A tree's block counts its depth as proposed, and adds
-  ``spec_decode_num_tree_candidates{edge}`` (its nodes) and
-  ``spec_decode_num_accepted_tokens_per_rank{edge,position,rank}``: accepted tokens by position
-  and by which sibling they were (0: the proposer's first choice).
+- ``spec_decode_num_drafts{edge,mode}``: blocks proposed along ``edge`` ("proposer->verifier");
+  ``spec_decode_num_draft_tokens{edge,mode}``, ``spec_decode_num_accepted_tokens{edge,mode}``:
+  tokens proposed and accepted; ``spec_decode_num_accepted_tokens_per_pos{edge,mode,position}``:
+  accepted tokens at each 0-based draft position. A tree's block counts its depth as proposed,
+  and adds ``spec_decode_num_tree_candidates{edge,mode}`` (its nodes) and
+  ``spec_decode_num_accepted_tokens_per_rank{edge,mode,position,rank}``: accepted tokens by
+  position and by which sibling they were (0: the proposer's first choice). ``mode`` is
+  ``greedy`` or ``sampled`` (temperature > 0): a draft is accepted far more often under greedy
+  decoding (SmolLM2's prompt lookup: 0.59 against 0.17 at T = 0.8), and the adaptive policies
+  keep the two apart too (docs/policies.md); sum over ``mode`` for vLLM's per-edge figure.
 - ``time_to_first_token_seconds``: arrival to the first committed token;
   ``inter_token_latency_seconds``: time between two engine steps that committed tokens for a
   request (one observation per step, as vLLM counts one per engine iteration — a step may
@@ -35,6 +38,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from policies.base import PassCost, PlanContext, Policy, StepFeedback, StepPlan
 
 PREFIX = "cascade:"
+EDGE = ("edge", "mode")  # the labels of every speculative-decoding counter
+MODES = ("greedy", "sampled")  # a step's mode, indexed by StepFeedback.sampled
 # vLLM's buckets for request-level latencies (seconds)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -50,19 +55,19 @@ class Metrics:
     def __init__(self, edges: list[tuple[str, str]], registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r, p = self.registry, PREFIX
-        self.drafts = Counter(p + "spec_decode_num_drafts", "Blocks proposed, per edge", ["edge"], registry=r)
+        self.drafts = Counter(p + "spec_decode_num_drafts", "Blocks proposed, per edge", EDGE, registry=r)
         self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens proposed, per edge",
-                                    ["edge"], registry=r)
+                                    EDGE, registry=r)
         self.accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted, per edge",
-                                       ["edge"], registry=r)
+                                       EDGE, registry=r)
         self.accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens at each draft position, per edge",
-                                        ["edge", "position"], registry=r)
+                                        [*EDGE, "position"], registry=r)
         self.tree_candidates = Counter(p + "spec_decode_num_tree_candidates",
-                                       "Candidates scored in draft trees, per edge", ["edge"], registry=r)
+                                       "Candidates scored in draft trees, per edge", EDGE, registry=r)
         self.accepted_per_rank = Counter(p + "spec_decode_num_accepted_tokens_per_rank",
                                          "Accepted tree tokens by draft position and sibling rank (0: the "
-                                         "proposer's first choice), per edge", ["edge", "position", "rank"], registry=r)
+                                         "proposer's first choice), per edge", [*EDGE, "position", "rank"], registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to the first committed token",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between steps committing tokens",
@@ -77,24 +82,25 @@ class Metrics:
         self.path_selected = Counter(p + "path_selected", "Sequence-steps per path", ["path"], registry=r)
         self.cached = Gauge(p + "num_cached_sequences", "Sequences a level holds a cache for", ["level"],
                             registry=r)
-        for a, b in edges:  # every edge shows from the start, at zero
-            edge = f"{a}->{b}"
-            for c in (self.drafts, self.draft_tokens, self.accepted_tokens):
-                c.labels(edge=edge)
+        for a, b in edges:  # every edge shows from the start, at zero, in both modes
+            for mode in MODES:
+                for c in (self.drafts, self.draft_tokens, self.accepted_tokens):
+                    c.labels(edge=f"{a}->{b}", mode=mode)
 
     def observe_step(self, feedback: StepFeedback) -> None:
         self.path_selected.labels(path="->".join(feedback.plan.path)).inc()
+        mode = MODES[feedback.sampled]
         for outcome in feedback.edges:
-            edge = f"{outcome.proposer}->{outcome.verifier}"
-            self.drafts.labels(edge=edge).inc()
-            self.draft_tokens.labels(edge=edge).inc(outcome.proposed)
-            self.accepted_tokens.labels(edge=edge).inc(outcome.accepted)
+            on = {"edge": f"{outcome.proposer}->{outcome.verifier}", "mode": mode}
+            self.drafts.labels(**on).inc()
+            self.draft_tokens.labels(**on).inc(outcome.proposed)
+            self.accepted_tokens.labels(**on).inc(outcome.accepted)
             for pos in range(outcome.accepted):
-                self.accepted_per_pos.labels(edge=edge, position=str(pos)).inc()
+                self.accepted_per_pos.labels(**on, position=str(pos)).inc()
             if outcome.candidates:
-                self.tree_candidates.labels(edge=edge).inc(outcome.candidates)
+                self.tree_candidates.labels(**on).inc(outcome.candidates)
                 for pos, rank in enumerate(outcome.ranks):
-                    self.accepted_per_rank.labels(edge=edge, position=str(pos), rank=str(rank)).inc()
+                    self.accepted_per_rank.labels(**on, position=str(pos), rank=str(rank)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

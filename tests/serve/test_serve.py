@@ -170,11 +170,24 @@ def test_models_health_and_metrics(server, client):
                  "generation_tokens_total", "prompt_tokens_total", "path_selected_total"):
         assert "cascade:" + name in text, name
     for edge in ("ngram->tiny", "tiny->small", "small->medium", "medium->large"):
-        assert f'cascade:spec_decode_num_drafts_total{{edge="{edge}"}}' in text
+        for mode in ("greedy", "sampled"):  # every edge from the start, in both modes
+            assert f'cascade:spec_decode_num_drafts_total{{edge="{edge}",mode="{mode}"}}' in text
     assert server.metric("cascade:path_selected_total", path="ngram->tiny->small->medium->large") > 0
     assert server.metric("cascade:generation_tokens_total") >= 12
     assert server.metric("cascade:spec_decode_num_accepted_tokens_per_pos_total", edge="medium->large",
-                         position="0") > 0
+                         mode="greedy", position="0") > 0
+
+
+def test_metrics_count_greedy_and_sampled_drafts_apart(server, client):
+    def drafted(mode):
+        return sum(server.metric("cascade:spec_decode_num_draft_tokens_total", edge=e, mode=mode)
+                   for e in ("ngram->tiny", "tiny->small", "small->medium", "medium->large"))
+
+    greedy, sampled = drafted("greedy"), drafted("sampled")
+    client.completions.create(model="served", prompt="def f(x):", max_tokens=16, temperature=0.8, seed=3)
+    assert drafted("sampled") > sampled and drafted("greedy") == greedy
+    client.completions.create(model="served", prompt="def f(x):", max_tokens=16, temperature=0)
+    assert drafted("greedy") > greedy
 
 
 def test_a_client_that_disconnects_is_cancelled_and_the_server_goes_on(server, client, family, tokenizer):
@@ -302,7 +315,7 @@ TREE = "fixed:path=[tiny, small, medium, large],tree={tiny: [3, 2, 1]},lookahead
 def test_a_tree_through_the_server_is_exact_shows_its_branch_and_counts_in_metrics(server, client, family, tokenizer):
     prompt = "def fibonacci(n):\n"
     want, _ = greedy_text(family, tokenizer, tokenizer.encode(prompt), 24)
-    before = server.metric("cascade:spec_decode_num_tree_candidates_total", edge="tiny->small")
+    before = server.metric("cascade:spec_decode_num_tree_candidates_total", edge="tiny->small", mode="greedy")
     streamed = client.completions.create(model="served", prompt=prompt, stream=True, max_tokens=24, temperature=0,
                                          extra_body={"policy": TREE})
     assert "".join(c.choices[0].text for c in streamed if c.choices) == want
@@ -311,4 +324,4 @@ def test_a_tree_through_the_server_is_exact_shows_its_branch_and_counts_in_metri
     assert body["choices"][0]["text"] == want
     blocks = [b for step in body["cascade_provenance"] for b in step["blocks"] if b["proposer"] == "tiny"]
     assert blocks and all(b["candidates"] > 0 and len(b["ranks"]) == b["accepted"] for b in blocks)
-    assert server.metric("cascade:spec_decode_num_tree_candidates_total", edge="tiny->small") > before
+    assert server.metric("cascade:spec_decode_num_tree_candidates_total", edge="tiny->small", mode="greedy") > before
