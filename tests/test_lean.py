@@ -52,8 +52,11 @@ def solo(model, tokens, n):
         return model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, -n:]
 
 
+@pytest.mark.parametrize("fold_one", [False, True], ids=["grouped-one", "folded-one"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_lean_worker_equals_transformers_through_rollbacks_joins_and_solo_calls(variant):
+def test_lean_worker_equals_transformers_through_rollbacks_joins_and_solo_calls(variant, fold_one, monkeypatch):
+    # one-position passes fold grouped-query attention in bfloat16 on a CPU: here in float64 both ways
+    monkeypatch.setattr("workers.lean.fold_one_position", lambda dtype, device: fold_one)
     model = make(**VARIANTS[variant])
     assert type(model).__name__.lower().startswith(VARIANTS[variant].get("arch", "llama"))
     worker = HFWorker.from_model(model)
@@ -87,6 +90,35 @@ def test_lean_worker_equals_transformers_through_rollbacks_joins_and_solo_calls(
             seqs["d"] = [rng.randrange(61) for _ in range(40)]
         if step == 12:
             seqs["e"] = [rng.randrange(61) for _ in range(3)]
+
+
+def test_a_bfloat16_pass_over_one_position_folds_grouped_query_attention(monkeypatch):
+    """In bfloat16 on a CPU a one-position pass folds each key/value head's query group into the
+    query length (torch's grouped-query kernel is slow there on some CPUs); in float32 it keeps
+    the grouped call. Either way its logits are transformers' (to bfloat16's rounding)."""
+    import torch.nn.functional as F
+
+    from workers.lean import fold_one_position
+
+    assert fold_one_position(torch.bfloat16, torch.device("cpu"))
+    assert not fold_one_position(torch.float32, torch.device("cpu"))
+    calls, attention = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape[1], q.shape[2], kw.get("enable_gqa", False)))
+        return attention(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    for dtype, folded in ((torch.bfloat16, True), (torch.float32, False)):
+        model = llama(num_key_value_heads=2).to(dtype)
+        worker = HFWorker.from_model(model)
+        tokens = [random.Random(1).randrange(61) for _ in range(9)]
+        worker.score(["a"], [tokens[:8]], [1])
+        calls.clear()
+        got = worker.score(["a"], [tokens], [1])[0]  # one new position after 8 cached
+        assert calls and all(c == ((2, 2, False) if folded else (4, 1, True)) for c in calls), calls
+        torch.testing.assert_close(got.float(), solo(model, tokens, 1).float(), rtol=0,
+                                   atol=0.05 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_lean_and_transformers_forward_agree_on_the_bundled_family(family):

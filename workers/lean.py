@@ -88,9 +88,19 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     # keys, the mask repeated per group): the same rows of the same products, and torch's CPU
     # attention kernel runs it far faster than its grouped-query path (one thread, SmolLM2's 9/3
     # heads, 200 columns, batch 4: 355 -> 181 us a layer for 2 positions, 416 -> 242 for 4; batch
-    # 1, 400 columns: 144 -> 110; outputs bit for bit equal). One position keeps the grouped path,
-    # faster there, and so do passes wider than FOLD_MOST_POSITIONS (prefills), where the fold
-    # loses (batch 1, 150 new positions: 0.64 -> 0.69 ms; 32 after 300: 0.35 -> 0.46).
+    # 1, 400 columns: 144 -> 110). The same products, but not always rounded alike: in bfloat16 an
+    # output may differ by one rounding step (AVX-512 BF16 EPYC: 30 of 40 random 2-position cases
+    # bit for bit equal) — of the order a pass's width already moves a logit (cascade/DESIGN.md
+    # §2), and the same for the same pass every time. Passes wider than FOLD_MOST_POSITIONS
+    # (prefills) keep the grouped path, where the fold loses (batch 1, 150 new positions: 0.64 ->
+    # 0.69 ms; 32 after 300: 0.35 -> 0.46).
+    # One position folds too in bfloat16 on a CPU, where torch's grouped-query kernel over a
+    # single query position is slow on some processors (one thread, SmolLM2's 9/3 heads, 151
+    # columns, AVX-512 BF16 EPYC without AMX, 2026-12-06: 143 us a layer at batch 1, 562 at
+    # batch 4, against 33 and 103 folded; the authority's whole one-position pass 0.90x at batch
+    # 1, 0.67x at 4, 0.57x at 8). In float32 both calls cost the same there and the grouped one
+    # is kept: float32's record of token-identical greedy output stays on the same arithmetic.
+    fold_one = bool(gqa) and fold_one_position(model.dtype, model.device)
     # Each layer's tensors, fetched once (a module call and its attribute lookups cost more than
     # a small model's matrix product); the ops below are the modules' own, in their order.
     weights = [(
@@ -115,8 +125,8 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = attention_mask(valid, width, layers[0].get_seq_length() + width, hidden.device, among)
-        fold = groups > 1 and 1 < width <= FOLD_MOST_POSITIONS  # (mask is never None over several positions)
-        if fold:
+        fold = groups > 1 and (1 < width <= FOLD_MOST_POSITIONS or (width == 1 and fold_one))
+        if fold and mask is not None:  # (never None over several positions)
             mask = mask.repeat(1, 1, groups, 1)
         for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act, head_norms), cache in zip(weights, layers):
             x = _rms(hidden, *norm1)
@@ -157,6 +167,12 @@ def _sdpa_gqa() -> bool:
         return True
     except (TypeError, RuntimeError):
         return False
+
+
+def fold_one_position(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the lean forward folds a grouped-query pass over one position (see lean_forward):
+    in bfloat16 on a CPU."""
+    return dtype == torch.bfloat16 and device.type == "cpu"
 
 
 def attention_mask(valid, width: int, columns: int, device, among=None):
