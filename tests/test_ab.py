@@ -50,7 +50,8 @@ def test_ab_end_to_end(family, tmp_path, capsys, monkeypatch):
     assert len(data["runs"]) == 2 * 3 * 2
     assert {r["arm"] for r in data["runs"]} == {"A", "B"}
     assert "tiny->small" in data["acceptance_by_position"]["A"]
-    assert (out / "summary.md").stat().st_size > 0
+    assert (out / "summary.md").stat().st_size > 0 and data["config"]["machine"]["cpu"]
+    assert " Measured " in (out / "summary.md").read_text()
     # the plots: their sizes in pixels, and what the figures ab saved drew
     assert set(figures) == {"speedup.png", "acceptance.png"}
     assert png_size(out / "speedup.png") == (800, 350) and png_size(out / "acceptance.png") == (1000, 350)

@@ -51,6 +51,8 @@ def test_bench_end_to_end(family, tmp_path, capsys, monkeypatch):
     assert full["orchestration_seconds_per_token"] >= 0
     assert len(data["samples"]) == 5 * 3
     assert (out / "bench.md").stat().st_size > 0
+    # the report names the machine its figures were measured on (bf16's cost differs by CPU)
+    assert data["config"]["machine"]["cpus"] >= 1 and (out / "bench.md").read_text().startswith("Measured ")
     # one mode: one panel per plot; the speedup plot's height grows with the configurations (5)
     _check_plots(out, figures, data["reports"], {"speedup.png": (700, 425), "acceptance.png": (600, 350),
                                                  "time_breakdown.png": (800, 400)})
@@ -125,6 +127,8 @@ def test_bench_batch_sizes(family, tmp_path, capsys):
                  "--batch-sizes", "1,3", "--requests", "4", "--repeats", "2", "--out", str(out), "--no-progress"]) == 0
     rows = json.loads((out / "batch.json").read_text())["rows"]
     assert [r["batch_size"] for r in rows] == [1, 3]
+    assert json.loads((out / "batch.json").read_text())["machine"]["cpu"]
+    assert (out / "batch.md").read_text().startswith("Measured ")
     for r in rows:  # the same 4 requests served 1 and 3 at a time, twice
         assert r["requests"] == 4 and len(r["ratios"]) == 2
         assert r["plain_tokens_per_second"] > 0 and r["cascade_tokens_per_second"] > 0

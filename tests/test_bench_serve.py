@@ -105,6 +105,19 @@ def test_repeats_give_medians_with_their_range_and_a_busy_warning():
     assert bs.summarize_repeats([_repeat(10, 1.0)]) == bs.summarize(_repeat(10, 1.0))  # one repeat: as before
 
 
+def test_a_report_names_the_machine_and_its_bf16_features():
+    from cascade.tools.timing import machine, machine_line
+
+    m = machine()
+    assert m["cpus"] >= 1 and m["torch"] and m["transformers"] and len(m["date"]) == 10
+    line = machine_line({"date": "2026-12-06", "cpu": "AMD EPYC", "cpu_features": ["AVX-512 BF16", "AVX2"],
+                         "cpus": 2, "gpu": None, "torch": "2.13.0", "transformers": "5.25.0"})
+    assert line == ("Measured 2026-12-06 on AMD EPYC (AVX-512 BF16, AVX2), 2 CPUs, no GPU; torch 2.13.0, "
+                    "transformers 5.25.0.")
+    bare = machine_line(m | {"cpu_features": []})  # none of the features a bf16 pass's cost depends on: said
+    assert "none of AMX-BF16, AVX-512 BF16" in bare
+
+
 def test_loopback_only():
     for url in ["http://127.0.0.1:8000/v1", "http://127.1.2.3:1/v1/", "http://[::1]:8000/v1", "http://localhost:80"]:
         assert bs.loopback_url(url) == url.rstrip("/")
@@ -212,6 +225,7 @@ def test_against_cascade_serve(family, tmp_path, monkeypatch):
     assert s["ttft"]["n"] == 4 and s["itl"]["n"] == s["output_tokens"] - 4 - _tokens_in_first_chunks(
         result, bs._token_counter(str(family / "large")))
     assert "| cascade c=2 |" in (out / "r.md").read_text()
+    assert result["machine"]["cpu"] and (out / "r.md").read_text().startswith("Measured ")  # the machine, named
     _check_run_plot(out / "r.png", result, tmp_path, monkeypatch)
     # the server counted the same tokens (and the warm-up request's)
     generated = [line for line in metrics.splitlines() if line.startswith("cascade:generation_tokens_total")]

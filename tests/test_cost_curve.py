@@ -17,6 +17,7 @@ def test_cost_curve_reports_each_level_by_width(family, tmp_path, capsys):
     assert "torch threads: 1" in text and "large (float64), ms by new positions: 1:" in text
     data = json.loads(out.read_text())
     assert set(data["levels"]) == {"tiny", "large"}  # the n-gram level has no forward pass
+    assert data["machine"]["cpu"] and "Measured " in text
     for level in data["levels"].values():
         assert set(level["ms"]) == {"1", "3", "8"}
         assert all(r["repeats"] == 2 and 0 < r["min"] <= r["median"] <= r["max"] for r in level["ms"].values())

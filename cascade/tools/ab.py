@@ -23,7 +23,7 @@ from typing import Any
 from cascade.cli import args as types
 from cascade.cli.args import DEFAULT_TOPOLOGY, guarded
 from cascade.repetition import repetition
-from cascade.tools.timing import COUPLING  # the rule measured: the one an unseeded request gets
+from cascade.tools.timing import COUPLING, machine, machine_line  # COUPLING: the rule an unseeded request gets
 
 
 @dataclass
@@ -135,7 +135,7 @@ def run_ab(
         write_report(Path(out), summary, runs, dict(topology=topology, a=a, b=b, max_new_tokens=max_new_tokens,
                                                     repeats=repeats, temperature=temperature, top_k=top_k,
                                                     top_p=top_p, seed=seed,
-                                                    warmup=warmup, prompts=prompts))
+                                                    warmup=warmup, prompts=prompts, machine=machine()))
     return summary, runs
 
 
@@ -219,7 +219,8 @@ def markdown(s: Summary, runs: list[Run], config: dict[str, Any]) -> str:
         f"{config['max_new_tokens']} new tokens, temperature {config['temperature']}"
         f"{', top-p ' + format(config.get('top_p', 1.0), 'g') if config.get('top_p', 1.0) < 1 else ''}"
         f"{', top-k ' + str(config.get('top_k', 0)) if config.get('top_k', 0) else ''}, seed {config['seed']}; "
-        "pairs run in randomised interleaved order after a warm-up.",
+        "pairs run in randomised interleaved order after a warm-up."
+        + (" " + machine_line(config["machine"]) if config.get("machine") else ""),
         "",
         "| | A | B |",
         "|---|---:|---:|",

@@ -49,7 +49,7 @@ from cascade.tools.bench_batch import run_batch_bench
 from cascade.tools.bench_records import ConfigReport, Sample, mode_label
 from cascade.tools.bench_report import write_report
 from cascade.tools.exactness import DistributionCheck
-from cascade.tools.timing import COUPLING, DEFAULT_THREADS, torch_threads
+from cascade.tools.timing import COUPLING, DEFAULT_THREADS, machine, torch_threads
 from cascade.repetition import LOOP_THRESHOLD, NGRAM, repetition
 
 
@@ -349,7 +349,7 @@ def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, o
             topology=topology, prompts=len(prompts), max_new_tokens=max_new_tokens, repeats=repeats,
             prompt_lookup=prompt_lookup, seed=seed, modes=[mode_label(s) for s in samplings],
             samplings=[s.model_dump() for s in samplings], exactness_draws=exactness_draws,
-            exactness_tokens=exactness_tokens, threads=threads))
+            exactness_tokens=exactness_tokens, threads=threads, machine=machine()))
     return reports, samples
 
 

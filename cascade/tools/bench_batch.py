@@ -18,7 +18,7 @@ from typing import Any
 from cascade.tools.bench_records import mode_label
 from cascade.tools.bench_report import batch_markdown
 from cascade.tools.exactness import DistributionCheck
-from cascade.tools.timing import COUPLING, DEFAULT_THREADS, torch_threads
+from cascade.tools.timing import COUPLING, DEFAULT_THREADS, machine, torch_threads
 from cascade.repetition import repetition
 
 # (tokens, seconds, mean latency per request, repetition per request) of serving a list of requests
@@ -127,7 +127,8 @@ def _run_batch_bench(topology, prompts, batch_sizes, max_new_tokens, policy, out
                                               exactness_tokens, max(batch_sizes))
     if out is not None:
         config = dict(topology=topology, max_new_tokens=max_new_tokens, policy=policy, requests=requests,
-                      repeats=repeats, sampling=sampling.model_dump(), seed=seed, threads=threads)
+                      repeats=repeats, sampling=sampling.model_dump(), seed=seed, threads=threads,
+                      machine=machine())
         _write_batch_report(Path(out), config, rows, check, mode_label(sampling))
     return rows, check
 
@@ -168,7 +169,7 @@ def _write_batch_report(out: Path, config: dict, rows: list[dict], check: Distri
     distribution = check and asdict(check) | {"passed": check.passed}
     (out / "batch.json").write_text(json.dumps(config | {"rows": rows, "distribution": distribution}, indent=1))
     (out / "batch.md").write_text(batch_markdown(rows, config["topology"], config["max_new_tokens"], mode, check,
-                                                 config["threads"]))
+                                                 config["threads"], config.get("machine")))
 
 
 def _batch_distribution_check(c, policy, prompts: list[str], sampling, seed: int, draws: int, tokens: int,

@@ -7,13 +7,14 @@ from pathlib import Path
 
 from cascade.repetition import LOOP_THRESHOLD, NGRAM
 from cascade.tools.bench_records import ConfigReport, Sample
-from cascade.tools.timing import Spread, busy_warning
+from cascade.tools.timing import Spread, busy_warning, machine_line
 
 
 def markdown(reports: list[ConfigReport], config: dict) -> str:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     modes = list(dict.fromkeys(r.mode for r in reports))
     lines = [
+        (machine_line(config["machine"]) + " " if config.get("machine") else "") +
         f"Topology `{config['topology']}`, {config['prompts']} prompts x {config['repeats']} repeat(s), "
         f"{config['max_new_tokens']} new tokens, {' and '.join(modes)}; all configurations"
         f"{' in both modes' if len(modes) > 1 else ''} interleaved in one process "
@@ -218,9 +219,9 @@ def _time_plot(plt, path: Path, cascade_reports: list[ConfigReport], modes: list
 
 
 def batch_markdown(rows: list[dict], topology: str, max_new_tokens: int, mode: str = "greedy", check=None,
-                   threads: int | None = None) -> str:
+                   threads: int | None = None, machine: dict | None = None) -> str:
     r0 = rows[0] if rows else {}
-    lines = [f"Topology `{topology}`, {mode}, {max_new_tokens} new tokens per request; at each concurrency B the same "
+    lines = [(machine_line(machine) + " " if machine else "") + f"Topology `{topology}`, {mode}, {max_new_tokens} new tokens per request; at each concurrency B the same "
              f"{r0.get('requests', '?')} requests (more if B is larger) are served B at a time: plain = transformers "
              f"`generate` of the authority in batches of B, cascade = `generate(..., batch_size=B)` (continuous "
              f"batching). Latency: mean per request, from the start of its batch (plain) or its joining (cascade) to "

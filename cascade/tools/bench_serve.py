@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from cascade.cli import args as types
-from cascade.tools.timing import Spread, busy_warning
+from cascade.tools.timing import Spread, busy_warning, machine, machine_line
 
 # -- what one request recorded -----------------------------------------------------------------
 
@@ -552,7 +552,7 @@ def main(args) -> int:
               "endpoint": args.endpoint, "concurrency": load.concurrency, "request_rate": args.request_rate,
               "num_requests": load.num_requests, "max_seconds": args.max_seconds, "request": body,
               "seed": args.seed, "token_count": "tokenizer" if count else "characters",
-              "summary": summary, "raw_s": raw,
+              "summary": summary, "raw_s": raw, "machine": machine(),  # the server's too: loopback only
               "repeats": len(per_repeat),
               "records": [asdict(r) | {"repeat": k} for k, rs in enumerate(per_repeat) for r in rs]}
     _emit([result], args, raw)
@@ -584,7 +584,8 @@ def _token_counter(path: str) -> Callable[[str], int]:
 
 
 def _emit(results: list[dict[str, Any]], args, raw) -> None:
-    table = markdown_table(results)
+    machines = sorted({machine_line(r["machine"]) for r in results if r.get("machine")})
+    table = "\n".join(machines + [""] if machines else []) + markdown_table(results)
     print(table)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cascade.cli import args as types
 from cascade.cli.args import DEFAULT_TOPOLOGY, guarded
-from cascade.tools.timing import DEFAULT_THREADS, Spread, busy_warning, threads_line, torch_threads
+from cascade.tools.timing import DEFAULT_THREADS, Spread, busy_warning, machine, machine_line, threads_line, torch_threads
 
 
 def add_parser(sub) -> None:
@@ -57,7 +57,8 @@ def run(args) -> int:
             return 2
         print(threads_line(threads))
         result = {"topology": args.topology, "threads": threads, "prefix": args.prefix, "batch": args.batch,
-                  "levels": {}}
+                  "machine": machine(), "levels": {}}
+        print(machine_line(result["machine"]))
         times = measure({level: c.workers[level] for level in levels}, widths, args.prefix, args.repeats, args.batch)
         per = f", {args.batch} sequences a pass, each" if args.batch > 1 else ""
         for level in levels:

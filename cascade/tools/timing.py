@@ -9,11 +9,14 @@ over the repeats; a range wider than :data:`BUSY_SPREAD` of its median is named 
 """
 from __future__ import annotations
 
+import datetime
 import os
+import platform
 import statistics
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
 
 # A figure whose range across repeats exceeds this share of its median was measured on a busy
 # (or drifting) machine. On a quiet machine, interleaved repeats of the same work agree within a
@@ -109,3 +112,43 @@ def torch_threads(threads: int | None = DEFAULT_THREADS) -> Iterator[int]:
 
 def threads_line(threads: int) -> str:
     return f"torch threads: {threads} (--threads to change; one keeps timings steady on a shared machine)"
+
+
+# CPU features that decide what a bfloat16 (or float32) pass costs, as /proc/cpuinfo names them
+CPU_FEATURES = (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
+def machine() -> dict[str, Any]:
+    """What a figure is measured on, for its report: the date (UTC), the CPU's model name and the
+    features that decide what a bf16 pass costs (AMX-BF16, AVX-512 BF16: the same model runs at
+    very different bf16 speeds on processors with and without them), the CPUs, the GPU when torch
+    sees one, and torch's and transformers' versions."""
+    import torch
+    import transformers
+
+    name, flags = None, None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and name is None:
+                name = value.strip()
+            elif key == "flags" and flags is None:
+                flags = set(value.split())
+    except OSError:  # not Linux
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+            "cpu": name or platform.processor() or platform.machine(),
+            "cpu_features": None if flags is None else [label for flag, label in CPU_FEATURES if flag in flags],
+            "cpus": os.cpu_count(), "gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def machine_line(m: Mapping[str, Any]) -> str:
+    """:func:`machine` as the sentence a report opens with."""
+    features = m.get("cpu_features")
+    cpu = m["cpu"] + (f" ({', '.join(features) or 'none of ' + ', '.join(x for _, x in CPU_FEATURES)})"
+                      if features is not None else "")
+    gpu = f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU"
+    return (f"Measured {m['date']} on {cpu}, {m['cpus']} CPUs{gpu}; torch {m['torch']}, "
+            f"transformers {m['transformers']}.")
