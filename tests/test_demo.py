@@ -20,6 +20,7 @@ def test_demo_runs_and_reports(family, tmp_path, capsys):
     assert code == 0, out
     assert "not a coding assistant" in out.splitlines()[0]
     assert out.splitlines()[1].startswith("torch threads: 1 ")  # chosen, not torch's default, and said
+    assert out.splitlines()[2].startswith("Measured ")  # and the machine the figures come from
     # both kinds of text: greedy (identity-checked) and sampled at the default T = 0.8, top-p 0.95
     assert "\ngreedy:\n" in out and "\nT=0.8, top-p 0.95:\n" in out
     assert out.count("plain decoding (large)") == 2 and out.count("cascade (fixed policy)") == 2

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from cascade.cli import args as types
 from cascade.cli.args import MAIN_TOPOLOGY_HELP, REAL_TOPOLOGY, guarded, main_topology
-from cascade.tools.timing import BUSY_SPREAD, COUPLING, DEFAULT_THREADS, Spread, busy_warning, threads_line, torch_threads
+from cascade.tools.timing import (BUSY_SPREAD, COUPLING, DEFAULT_THREADS, Spread, busy_warning, machine, machine_line,
+                                  threads_line, torch_threads)
 
 DEFAULT_PROMPTS = "examples/prompts/heldout.jsonl"
 ABOUT_THE_MODELS = ("The bundled models are tiny (0.7-11.6 M parameters), trained from scratch on a CPU on "
@@ -117,6 +118,7 @@ def run(args) -> int:
         model = as_loaded(model)  # plain decoding as transformers runs it
         print(ABOUT_THE_REAL_MODEL if real else ABOUT_THE_MODELS)
         print(threads_line(threads))
+        print(machine_line(machine()))
         # Warm-up: first calls pay for allocation and lazy initialisation, and an adaptive
         # policy measures the levels and paths (on a prompt from the end of the file, which the
         # timed runs use only if the file is short).
