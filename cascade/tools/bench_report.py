@@ -221,7 +221,8 @@ def _time_plot(plt, path: Path, cascade_reports: list[ConfigReport], modes: list
 def batch_markdown(rows: list[dict], topology: str, max_new_tokens: int, mode: str = "greedy", check=None,
                    threads: int | None = None, machine: dict | None = None) -> str:
     r0 = rows[0] if rows else {}
-    lines = [(machine_line(machine) + " " if machine else "") + f"Topology `{topology}`, {mode}, {max_new_tokens} new tokens per request; at each concurrency B the same "
+    lines = [(machine_line(machine) + " " if machine else "") +
+             f"Topology `{topology}`, {mode}, {max_new_tokens} new tokens per request; at each concurrency B the same "
              f"{r0.get('requests', '?')} requests (more if B is larger) are served B at a time: plain = transformers "
              f"`generate` of the authority in batches of B, cascade = `generate(..., batch_size=B)` (continuous "
              f"batching). Latency: mean per request, from the start of its batch (plain) or its joining (cascade) to "

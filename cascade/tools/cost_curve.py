@@ -20,7 +20,8 @@ from pathlib import Path
 
 from cascade.cli import args as types
 from cascade.cli.args import DEFAULT_TOPOLOGY, guarded
-from cascade.tools.timing import DEFAULT_THREADS, Spread, busy_warning, machine, machine_line, threads_line, torch_threads
+from cascade.tools.timing import (DEFAULT_THREADS, Spread, busy_warning, machine, machine_line, threads_line,
+                                  torch_threads)
 
 
 def add_parser(sub) -> None:
