@@ -100,7 +100,7 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     # batch 4, against 33 and 103 folded; the authority's whole one-position pass 0.90x at batch
     # 1, 0.67x at 4, 0.57x at 8). In float32 both calls cost the same there and the grouped one
     # is kept: float32's record of token-identical greedy output stays on the same arithmetic.
-    fold_one = bool(gqa) and fold_one_position(model.dtype, model.device)
+    fold_one = fold_one_position(model.dtype, model.device)
     # Each layer's tensors, fetched once (a module call and its attribute lookups cost more than
     # a small model's matrix product); the ops below are the modules' own, in their order.
     weights = [(

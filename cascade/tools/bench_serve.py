@@ -585,7 +585,7 @@ def _token_counter(path: str) -> Callable[[str], int]:
 
 def _emit(results: list[dict[str, Any]], args, raw) -> None:
     machines = sorted({machine_line(r["machine"]) for r in results if r.get("machine")})
-    table = "\n".join(machines + [""] if machines else []) + markdown_table(results)
+    table = "".join(line + "\n" for line in machines) + markdown_table(results)
     print(table)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
