@@ -34,7 +34,7 @@ from cascade.engine import Request  # noqa: E402
 from cascade.errors import WorkerError  # noqa: E402
 from cascade.sampling import Sampling  # noqa: E402
 from conftest import family_topology, write_topology  # noqa: E402
-from proc_util import stop  # noqa: E402
+from proc_util import stop, wait_for_job_agent  # noqa: E402
 
 LEVELS = ["tiny", "small", "medium", "large"]
 LOOKAHEAD = {"ngram": 3, "tiny": 3, "small": 5, "medium": 7}
@@ -76,6 +76,7 @@ def ray_cluster():
             except OSError:
                 assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
                 time.sleep(1)
+        wait_for_job_agent(f"http://127.0.0.1:{dashboard}", head)  # the job test submits through it
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
         yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}"}
     finally:

@@ -34,7 +34,7 @@ pytest.importorskip("ray")
 pytest.importorskip("aiohttp")  # the dashboard (job API) needs ray[default]
 
 from conftest import family_topology, write_topology  # noqa: E402
-from proc_util import stop  # noqa: E402
+from proc_util import stop, wait_for_job_agent  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -134,6 +134,7 @@ def test_readme_steps_after_the_local_backend(family, tmp_path, home):
         env=env_token, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_for(f"http://127.0.0.1:{dashboard}/api/version", head, home / "head.log")
+        wait_for_job_agent(f"http://127.0.0.1:{dashboard}", head, token)
         job_env = {"RAY_ADDRESS": f"http://127.0.0.1:{dashboard}"}
         out = tmp_path / "out" / "results.jsonl"
         submit = ["ray", "job", "submit", "--working-dir", str(workdir), "--",
