@@ -27,9 +27,20 @@ def test_bench_end_to_end(family, tmp_path, capsys, monkeypatch):
     assert code == 0, stdout
     data = json.loads((out / "bench.json").read_text())
     names = [r["name"] for r in data["reports"]]
-    assert names == ["plain", "hf-assisted:tiny", "cascade:tiny->large", "cascade:3level:fixed", "cascade:3level:auto"]
+    # plain and cascade:authority run whatever --only says: every speedup is over both
+    assert names == ["plain", "cascade:authority", "hf-assisted:tiny", "cascade:tiny->large", "cascade:3level:fixed",
+                     "cascade:3level:auto"]
     by_name = {r["name"]: r for r in data["reports"]}
     assert by_name["plain"]["speedup_median"] == 1.0
+    # what drafting bought: each configuration's speed over the authority alone, in the same run
+    assert by_name["cascade:authority"]["speedup_over_authority_median"] == 1.0
+    samples = {(s["config"], s["prompt"]): s["tokens"] / s["seconds"] for s in data["samples"]}
+    for r in data["reports"]:
+        want = sorted(samples[(r["name"], i)] / samples[("cascade:authority", i)] for i in range(3))[1]
+        assert r["speedup_over_authority_median"] == pytest.approx(want), r["name"]
+        lo, hi = r["speedup_over_authority_ci"]
+        assert lo <= r["speedup_over_authority_median"] <= hi
+    assert data["config"]["left_out"] == []
     assert by_name["plain"]["authority_passes_per_token"] >= 1.0 - 1e-9  # one pass per token (+ prefill)
     for r in data["reports"]:
         assert r["mismatches"] == [], r["name"]
@@ -49,14 +60,14 @@ def test_bench_end_to_end(family, tmp_path, capsys, monkeypatch):
     assert by_name["cascade:tiny->large"]["edges"] == ["tiny->large"]
     assert set(full["level_seconds_per_token"]) == {"tiny", "small", "large"}
     assert full["orchestration_seconds_per_token"] >= 0
-    assert len(data["samples"]) == 5 * 3
+    assert len(data["samples"]) == 6 * 3
     assert (out / "bench.md").stat().st_size > 0
     # the report names the machine its figures were measured on (bf16's cost differs by CPU)
     assert data["config"]["machine"]["cpus"] >= 1 and (out / "bench.md").read_text().startswith("Measured ")
     # one mode: one panel per plot; the speedup plot's height grows with the configurations (5)
-    _check_plots(out, figures, data["reports"], {"speedup.png": (700, 425), "acceptance.png": (600, 350),
+    _check_plots(out, figures, data["reports"], {"speedup.png": (700, 470), "acceptance.png": (600, 350),
                                                  "time_breakdown.png": (800, 400)})
-    assert "| cascade:3level:fixed |" in stdout
+    assert "| cascade:3level:fixed |" in stdout and "| speedup vs plain | speedup vs cascade:authority |" in stdout
     # torch's threads chosen and said; one repeat: a speedup per repeat of one, no range column
     assert data["config"]["threads"] == 1 and "torch threads: 1" in stdout
     assert all(len(r["speedup_by_repeat"]) == 1 for r in data["reports"]) and "speedup by repeat" not in stdout
@@ -282,8 +293,8 @@ def test_bench_sampled_with_greedy_side_by_side(family, tmp_path, capsys, monkey
     data = json.loads((out / "bench.json").read_text())
     assert data["config"]["modes"] == ["greedy", "T=3, top-p 0.95"] and data["config"]["seed"] == 7
     rows = {(r["mode"], r["name"]): r for r in data["reports"]}
-    assert set(rows) == {(m, c) for m in data["config"]["modes"] for c in ("plain", "hf-prompt-lookup",
-                                                                             "cascade:tiny->large")}
+    assert set(rows) == {(m, c) for m in data["config"]["modes"] for c in ("plain", "cascade:authority",
+                                                                             "hf-prompt-lookup", "cascade:tiny->large")}
     for r in data["reports"]:
         assert 0.0 <= r["repetition_median"] <= 1.0 and r["exact"], r
         assert 0 <= r["nonloop_prompts"] <= 3
@@ -294,15 +305,16 @@ def test_bench_sampled_with_greedy_side_by_side(family, tmp_path, capsys, monkey
     assert check["draws"] == 60 and check["tokens"] == 2 and check["passed"] and check["p_value"] > 1e-3
     assert rows[("T=3, top-p 0.95", "hf-prompt-lookup")]["distribution"] is None  # transformers' own
     samples = data["samples"]
-    assert len(samples) == 2 * 3 * 3
+    assert len(samples) == 2 * 4 * 3
     # the sampled runs really sampled: prompts x configurations not all equal to greedy
     by = {(s["mode"], s["config"], s["prompt"]): s["token_ids"] for s in samples}
     assert any(by[("greedy", c, i)] != by[("T=3, top-p 0.95", c, i)] for c in ("plain", "cascade:tiny->large")
                for i in range(3))
     assert "| configuration | speedup, greedy |" in stdout and "Exactness by distribution" in stdout
     assert "not checked (transformers' own sampler)" in stdout
-    # two modes side by side: twice as wide; 3 configurations a mode
-    _check_plots(out, figures, data["reports"], {"speedup.png": (1400, 335), "acceptance.png": (1200, 350),
+    assert "| speedup, greedy | vs cascade:authority, greedy |" in stdout
+    # two modes side by side: twice as wide; 4 configurations a mode
+    _check_plots(out, figures, data["reports"], {"speedup.png": (1400, 380), "acceptance.png": (1200, 350),
                                                  "time_breakdown.png": (1600, 400)})
 
 
@@ -363,7 +375,7 @@ def test_bench_times_a_tree_beside_its_chain(family, tmp_path, capsys):
         family, ["small", "large"], policy={"name": "fixed", "params": {"lookahead": {"small": 3}}}))
     by_name = bench_reports(topo, tmp_path, capsys, ["def f(x):\n", "import os\n"], "--max-new-tokens", "16",
                             "--only", "cascade:small->large", "--tree", "3,2,1")
-    assert set(by_name) == {"plain", "cascade:small->large", "cascade:small->large:tree3x2x1"}
+    assert set(by_name) == {"plain", "cascade:authority", "cascade:small->large", "cascade:small->large:tree3x2x1"}
     tree = by_name["cascade:small->large:tree3x2x1"]
     assert tree["mismatches"] == [] and tree["edges"] == ["small->large"]
 

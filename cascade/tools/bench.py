@@ -17,6 +17,12 @@ in a warning (:mod:`cascade.tools.timing`). Configurations:
    shortcuts), so ``auto`` chooses among the same paths as on the topology itself; ``fixed``
    drafts along the whole chain.
 
+``plain`` and ``cascade:authority`` run whatever ``--only`` says: every configuration's speedup is
+given over both, the second being what drafting itself bought beside the authority's own forward.
+A configuration that cannot apply to the topology's levels (transformers' assisted generation
+with a drafter over another vocabulary, a tree from a level that drafts none) is left out before
+anything runs, with a line saying why.
+
 Each cascade configuration also gets a *predicted* speedup from its measured acceptance per
 draft position and measured seconds per forward pass of each level (cascade/DESIGN.md §4,
 composed up the hierarchy: ``Estimates.path_cost``), for the path its steps mostly took
@@ -46,6 +52,7 @@ from typing import Any, Callable
 from cascade.cli import args as types
 from cascade.cli.args import DEFAULT_TOPOLOGY, guarded
 from cascade.tools.bench_batch import run_batch_bench
+from cascade.tools.bench_predict import cascade_fields, main_path, predicted_seconds_per_token  # noqa: F401 (re-exported)
 from cascade.tools.bench_records import ConfigReport, Sample, mode_label
 from cascade.tools.bench_report import write_report
 from cascade.tools.exactness import DistributionCheck
@@ -101,18 +108,25 @@ class _PassCounter:
 
 
 def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool = True,
-                  trees: tuple[tuple[int, ...], ...] = ()) -> list[Config]:
+                  trees: tuple[tuple[int, ...], ...] = ()) -> tuple[list[Config], list[str]]:
     """The configurations of the module docstring, for this topology's levels; with ``trees``
-    (widths per depth), a tree row for every model edge into the authority and shape too."""
-    from cascade.tools.baselines import as_loaded
+    (widths per depth), a tree row for every model edge into the authority and shape too. Also
+    the configurations that cannot apply to these levels, each as ``"name: why"``: decided here,
+    from the topology and its loaded levels, so that a run never fails on one minutes in."""
+    from cascade.tools.baselines import as_loaded, assisted_unfit
 
     authority = topo.authority
     hf_drafts = [lv.name for lv in topo.spec.levels if lv.kind == "hf" and lv.name != authority]
     ngram = next((lv.name for lv in topo.spec.levels if lv.kind == "ngram"), None)
     make = _ConfigBuilder(topo, workers, tokenizer)
     configs = [make.plain(), make.cascade("cascade:authority", (authority,), "fixed")]
+    left_out: list[str] = []
     if assisted:
         for d in hf_drafts:
+            why = assisted_unfit(workers[d], workers[authority])
+            if why:
+                left_out.append(f"hf-assisted:{d}: {d} is {why}")
+                continue
             configs.append(make.hf(f"hf-assisted:{d}", (d, authority), assistant_model=as_loaded(workers[d].model)))
         configs.append(make.hf("hf-prompt-lookup", (authority,), prompt_lookup_num_tokens=prompt_lookup))
     # a speculative row for every edge into the authority, whatever the proposer's kind
@@ -120,11 +134,12 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
     for d in [lv.name for lv in topo.spec.levels if lv.name in into]:
         path = (d, authority)
         configs.append(make.cascade(f"cascade:{d}->{authority}", path, make.fixed_spec(path)))
-        if workers[d].drafts_trees:
-            for widths in trees:
-                shape = ", ".join(map(str, widths))
-                configs.append(make.cascade(f"cascade:{d}->{authority}:tree{'x'.join(map(str, widths))}", path,
-                                            f"fixed:lookahead={{{d}: {len(widths)}}},tree={{{d}: [{shape}]}}"))
+        for widths in trees:
+            name, shape = f"cascade:{d}->{authority}:tree{'x'.join(map(str, widths))}", ", ".join(map(str, widths))
+            if not workers[d].drafts_trees:
+                left_out.append(f"{name}: {d} drafts no trees")
+                continue
+            configs.append(make.cascade(name, path, f"fixed:lookahead={{{d}: {len(widths)}}},tree={{{d}: [{shape}]}}"))
     paths = _multilevel_paths(hf_drafts, authority, ngram)
     for label, path in paths:
         for policy in (make.fixed_spec(path), "auto"):
@@ -136,7 +151,7 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
     if len(everything) > 2 and not any(set(p) == set(everything) for _, p in paths):
         configs.append(make.cascade(f"cascade:{topo.spec.name}:auto", everything, "auto",
                                     edges=[tuple(e) for e in topo.graph.edges]))
-    return configs
+    return configs, left_out
 
 
 def _multilevel_paths(hf_drafts: list[str], authority: str, ngram: str | None) -> list[tuple[str, tuple[str, ...]]]:
@@ -250,42 +265,6 @@ class _ConfigBuilder:
         return "fixed:lookahead={" + ", ".join(f"{k}: {v}" for k, v in defaults.items()) + "}"
 
 
-def predicted_seconds_per_token(path: tuple[str, ...], stats, max_lookahead: int = 8) -> float | None:
-    """Seconds per committed token that the measured acceptance and costs (a ``RequestStats``)
-    predict for this path, with the best lookahead per edge."""
-    from policies.estimates import EdgeAcceptance, Estimates, LevelCost
-
-    est = Estimates()
-    for level, s in stats.levels.items():
-        if s.forward_passes:
-            est.costs[level] = LevelCost(seconds=s.seconds / s.forward_passes)
-    if path[0] not in est.costs:  # a free proposer (n-gram): no forward passes
-        est.costs[path[0]] = LevelCost(seconds=1e-6)
-    for below, level in zip(path, path[1:]):
-        e = stats.edges.get(f"{below}->{level}")
-        if e is None:
-            return None
-        acc = EdgeAcceptance(prior=0.0, prior_weight=0.0, decay=1.0)
-        acc.seen = [float(x) for x in e.examined_by_position]
-        acc.accepted = [float(x) for x in e.accepted_by_position] + [0.0] * (len(acc.seen) - len(e.accepted_by_position))
-        est.edges[(below, level)] = acc
-    per_token, _ = est.path_cost(path, max_lookahead)
-    return per_token
-
-
-def main_path(stats) -> tuple[str, ...]:
-    """The path a configuration's steps mostly took (a ``RequestStats``): from the authority down,
-    the proposer of each level's most verified blocks. A policy that chooses paths (``auto``)
-    probes the others now and then, too briefly for their measurements to predict anything."""
-    edges = [(*key.split("->"), e.blocks) for key, e in stats.edges.items() if e.blocks]
-    path = [stats.authority]
-    while True:
-        blocks = {below: n for below, above, n in edges if above == path[0] and below not in path}
-        if not blocks:
-            return tuple(path)
-        path.insert(0, max(blocks, key=blocks.get))
-
-
 def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repeats: int = 1,
               out: str | Path | None = None, prompt_lookup: int = 10, only: list[str] | None = None,
               progress: bool = True, seed: int = 0, samplings: list | None = None,
@@ -303,6 +282,10 @@ def run_bench(topology: str, prompts: list[str], max_new_tokens: int = 128, repe
                           samplings, exactness_draws, exactness_tokens, used, trees)
 
 
+# the rows every run measures, whatever --only says: the baselines of every speedup
+ALWAYS = ("plain", "cascade:authority")
+
+
 class UnknownConfiguration(ValueError):
     """An ``--only`` that names none of the bench's configurations (a typo would otherwise
     silently drop rows from a run that takes minutes)."""
@@ -315,14 +298,21 @@ def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, o
 
     samplings = samplings or [Sampling()]
     topo, workers, tokenizer = _load(topology)
-    configs = build_configs(topo, workers, tokenizer, prompt_lookup, trees=trees)
+    configs, left_out = build_configs(topo, workers, tokenizer, prompt_lookup, trees=trees)
     if only:
         unmatched = [o for o in only if not any(o in c.name for c in configs)]
         if unmatched:
+            for w in workers.values():
+                w.close()
             raise UnknownConfiguration(
                 f"--only {', '.join(map(repr, unmatched))} matches no configuration of this topology's bench; "
-                f"its configurations: {', '.join(c.name for c in configs)}")
-        configs = [c for c in configs if c.name == "plain" or any(o in c.name for o in only)]
+                f"its configurations: {', '.join(c.name for c in configs)}"
+                + (f"; left out, as they cannot apply here: {'; '.join(left_out)}" if left_out else ""))
+        # plain and cascade:authority always run: every speedup is over plain decoding and over
+        # the authority alone, measured in the same run
+        configs = [c for c in configs if c.name in ALWAYS or any(o in c.name for o in only)]
+    for note in left_out:
+        print(f"cascade bench: left out {note}", file=sys.stderr)
     ids = [tokenizer.encode(p) for p in prompts]
     checks: dict[tuple[str, str], DistributionCheck] = {}
     try:
@@ -349,7 +339,7 @@ def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, o
             topology=topology, prompts=len(prompts), max_new_tokens=max_new_tokens, repeats=repeats,
             prompt_lookup=prompt_lookup, seed=seed, modes=[mode_label(s) for s in samplings],
             samplings=[s.model_dump() for s in samplings], exactness_draws=exactness_draws,
-            exactness_tokens=exactness_tokens, threads=threads, machine=machine()))
+            exactness_tokens=exactness_tokens, threads=threads, machine=machine(), left_out=left_out))
     return reports, samples
 
 
@@ -450,7 +440,8 @@ def _check_distributions(configs: list[Config], sampling, ids: list[list[int]], 
 def summarize(configs: list[Config], samples: list[Sample], n_prompts: int, mode: str = "greedy",
               repeats: int = 1) -> list[ConfigReport]:
     """One report per configuration from the samples of one mode. Speedups are per prompt (this
-    configuration's tokens/s over plain's, summed over repeats), median over prompts; the
+    configuration's tokens/s over plain's, summed over repeats), median over prompts, and the
+    same over ``cascade:authority``'s where that row ran (what drafting bought); the
     non-loop speedup takes only the prompts whose plain continuation has repetition below
     ``LOOP_THRESHOLD`` (mean over repeats). Per repeat, the same speedup from that repeat's
     samples alone, and the configuration's tokens/s over all prompts."""
@@ -467,6 +458,7 @@ def summarize(configs: list[Config], samples: list[Sample], n_prompts: int, mode
         return statistics.fmean(repetition(s.token_ids, NGRAM) for s in xs)
 
     plain = per_prompt("plain", rate)
+    alone = per_prompt("cascade:authority", rate) if any(c.name == "cascade:authority" for c in configs) else None
     plain_by_repeat = [per_prompt("plain", rate, r) for r in range(repeats)]
     nonloop = [i for i, x in enumerate(per_prompt("plain", mean_repetition)) if x < LOOP_THRESHOLD]
     plain_ids = {(s.prompt, s.repeat): s.token_ids for s in samples if s.config == "plain"}
@@ -477,9 +469,12 @@ def summarize(configs: list[Config], samples: list[Sample], n_prompts: int, mode
         xs = [s for s in samples if s.config == c.name]
         rates = per_prompt(c.name, rate)
         speedups = [a / b for a, b in zip(rates, plain)]
+        drafting = [a / b for a, b in zip(rates, alone)] if alone else None
         rep = ConfigReport(
             c.name, mode, statistics.median(rates), _median_ci(rates), statistics.median(speedups),
             _median_ci(speedups), sum(s.authority_passes for s in xs) / sum(s.tokens for s in xs),
+            speedup_over_authority_median=statistics.median(drafting) if drafting else None,
+            speedup_over_authority_ci=_median_ci(drafting) if drafting else None,
             repetition_median=statistics.median(per_prompt(c.name, mean_repetition)),
             speedup_nonloop_median=statistics.median([speedups[i] for i in nonloop]) if nonloop else None,
             nonloop_prompts=len(nonloop),
@@ -490,31 +485,9 @@ def summarize(configs: list[Config], samples: list[Sample], n_prompts: int, mode
         if mode == "greedy":  # under sampling the random streams differ: checked by distribution instead
             rep.mismatches = sorted({s.prompt for s in xs if s.token_ids != plain_ids[(s.prompt, s.repeat)]})
         if c.kind == "cascade":
-            _cascade_fields(rep, c, xs, plain_spt)
+            cascade_fields(rep, c.graph, c.path, xs, plain_spt)
         reports.append(rep)
     return reports
-
-
-def _cascade_fields(rep: ConfigReport, c: Config, xs: list[Sample], plain_spt: float) -> None:
-    """Acceptance, time per level and the predicted speedup of a cascade configuration."""
-    from cascade.stats import RequestStats
-
-    tokens = sum(s.tokens for s in xs)
-    rep.edges = [f"{a}->{b}" for a, b in c.graph.edges]
-    merged = RequestStats(c.path[-1])
-    for s in xs:
-        merged.merge(s.stats)
-    rep.acceptance = {k: e.acceptance_rate for k, e in merged.edges.items()}
-    rep.acceptance_by_position = {k: e.conditional_acceptance() for k, e in merged.edges.items()}
-    rep.level_seconds_per_token = {k: v.seconds / tokens for k, v in merged.levels.items()}
-    wall = sum(s.seconds for s in xs)
-    rep.orchestration_seconds_per_token = (wall - sum(v.seconds for v in merged.levels.values())) / tokens
-    path = main_path(merged)
-    predicted = predicted_seconds_per_token(path, merged) if len(path) > 1 else None
-    if predicted:
-        rep.predicted_path = list(path)
-        rep.predicted_speedup = plain_spt / predicted
-        rep.measured_over_predicted = (plain_spt / (wall / tokens)) / rep.predicted_speedup
 
 
 def add_parser(sub) -> None:

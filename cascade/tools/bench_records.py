@@ -43,6 +43,10 @@ class ConfigReport:
     speedup_median: float  # median over prompts of (this / plain), both measured in this run
     speedup_ci: tuple[float, float]
     authority_passes_per_token: float
+    # median over prompts of (this / cascade:authority), both measured in this run: what drafting
+    # bought over the authority's own forward in cascade, alone (None: that row was not run)
+    speedup_over_authority_median: float | None = None
+    speedup_over_authority_ci: tuple[float, float] | None = None
     acceptance: dict[str, float] = field(default_factory=dict)
     acceptance_by_position: dict[str, list[float]] = field(default_factory=dict)
     level_seconds_per_token: dict[str, float] = field(default_factory=dict)

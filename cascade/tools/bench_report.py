@@ -23,9 +23,14 @@ def markdown(reports: list[ConfigReport], config: dict) -> str:
         f"a loop at >= {LOOP_THRESHOLD}. Speedup vs plain: median over prompts, 95% bootstrap CI in brackets"
         + (f"; by repeat: the same from each repeat's runs alone, median (min–max) over the {config['repeats']} "
            f"repeats." if config.get("repeats", 1) > 1 else
-           "; one repeat, so no range over repeats to show how steady the machine was (--repeats 3 gives one)."),
+           "; one repeat, so no range over repeats to show how steady the machine was (--repeats 3 gives one).")
+        + " Speedup vs cascade:authority: the same over cascade with the authority alone (its own forward, no "
+          "drafting), measured in the same run: what drafting itself bought.",
         "",
     ]
+    if config.get("left_out"):
+        lines += ["Left out, as they cannot apply to this topology:", ""]
+        lines += [f"- {note}" for note in config["left_out"]] + [""]
     if len(modes) > 1:
         lines += _side_by_side(reports, modes) + [""]
     for mode in modes:
@@ -36,11 +41,11 @@ def markdown(reports: list[ConfigReport], config: dict) -> str:
             lines += [f"**{warning}**", ""]
         by_repeat = any(len(r.speedup_by_repeat) > 1 for r in rows)
         lines += [
-            "| configuration | tokens/s (median, 95% CI) | speedup vs plain | "
+            "| configuration | tokens/s (median, 95% CI) | speedup vs plain | speedup vs cascade:authority | "
             + ("speedup by repeat | " if by_repeat else "")
             + "speedup, non-loop prompts | repetition | authority passes/token | predicted speedup | "
               "measured ÷ predicted | exactness |",
-            "|---" * (10 if by_repeat else 9) + "|",
+            "|---" * (11 if by_repeat else 10) + "|",
         ]
         for r in rows:
             pred = f"{r.predicted_speedup:.2f}x" if r.predicted_speedup else "—"
@@ -49,7 +54,7 @@ def markdown(reports: list[ConfigReport], config: dict) -> str:
             lines.append(
                 f"| {r.name} | {r.tokens_per_second_median:.1f} ({r.tokens_per_second_ci[0]:.1f}–"
                 f"{r.tokens_per_second_ci[1]:.1f}) | {r.speedup_median:.2f}x ({r.speedup_ci[0]:.2f}–"
-                f"{r.speedup_ci[1]:.2f}) |{repeats} {_x(r.speedup_nonloop_median)} | {r.repetition_median:.2f} "
+                f"{r.speedup_ci[1]:.2f}) | {_over_authority(r)} |{repeats} {_x(r.speedup_nonloop_median)} | {r.repetition_median:.2f} "
                 f"| {r.authority_passes_per_token:.3f} | {pred} | {share} | {_exactness_cell(r)} |"
             )
         lines += ["", f"Acceptance per edge (cascade configurations, {mode}):", ""]
@@ -69,6 +74,13 @@ def _spreads(rows: list[ConfigReport]) -> dict[str, Spread]:
                if r.name != "plain" and r.speedup_by_repeat}
     plain = next((r for r in rows if r.name == "plain" and r.tokens_per_second_by_repeat), None)
     return ({"plain tok/s": Spread.of(plain.tokens_per_second_by_repeat)} if plain else {}) | spreads
+
+
+def _over_authority(r: ConfigReport) -> str:
+    if r.speedup_over_authority_median is None:
+        return "—"
+    lo, hi = r.speedup_over_authority_ci
+    return f"{r.speedup_over_authority_median:.2f}x ({lo:.2f}–{hi:.2f})"
 
 
 def _x(value: float | None) -> str:
@@ -115,15 +127,17 @@ def _exactness_cell(r: ConfigReport) -> str:
 
 
 def _side_by_side(reports: list[ConfigReport], modes: list[str]) -> list[str]:
-    """One row per configuration, each mode's speedups and repetition next to each other."""
-    head = " | ".join(f"speedup, {m} | non-loop, {m} | repetition, {m}" for m in modes)
-    lines = [f"| configuration | {head} |", "|---" * (1 + 3 * len(modes)) + "|"]
+    """One row per configuration, each mode's speedups (over plain decoding and over the authority
+    alone) and repetition next to each other."""
+    head = " | ".join(f"speedup, {m} | vs cascade:authority, {m} | non-loop, {m} | repetition, {m}" for m in modes)
+    lines = [f"| configuration | {head} |", "|---" * (1 + 4 * len(modes)) + "|"]
     by = {(r.mode, r.name): r for r in reports}
     for name in dict.fromkeys(r.name for r in reports):
         cells = []
         for m in modes:
             r = by.get((m, name))
-            cells += [_x(r.speedup_median), _x(r.speedup_nonloop_median), f"{r.repetition_median:.2f}"] if r else ["—"] * 3
+            cells += ([_x(r.speedup_median), _x(r.speedup_over_authority_median), _x(r.speedup_nonloop_median),
+                       f"{r.repetition_median:.2f}"] if r else ["—"] * 4)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
