@@ -5,19 +5,36 @@ import json
 
 import pytest
 
-from cascade.tools.ab import paired_bootstrap_ci, sign_flip_p_value
+from cascade.tools.ab import geometric_mean, geometric_mean_ci, sign_flip_p_value
 from cascade.cli import main
 from conftest import family_topology, write_topology
 from plots import bar_series, line_series, png_size, record_figures
 
 
-def test_bootstrap_ci_brackets_the_mean_and_narrows_with_agreement():
+def test_bootstrap_ci_brackets_the_geometric_mean_and_narrows_with_agreement():
     ratios = [1.2, 1.3, 1.1, 1.25, 1.15, 1.22, 1.18, 1.3]
-    lo, hi = paired_bootstrap_ci(ratios)
-    mean = sum(ratios) / len(ratios)
-    assert lo < mean < hi and lo > 1.1 and hi < 1.3
-    lo2, hi2 = paired_bootstrap_ci([1.2] * 8)
+    lo, hi = geometric_mean_ci(ratios)
+    assert lo < geometric_mean(ratios) < hi and lo > 1.1 and hi < 1.3
+    lo2, hi2 = geometric_mean_ci([1.2] * 8)
     assert lo2 == hi2 == pytest.approx(1.2)
+    assert geometric_mean_ci([1.2]) is None  # one prompt: nothing to resample
+
+
+def test_one_looping_prompt_cannot_carry_the_summary():
+    """Five prompts where B is a little slower and one where it loops 50x faster: the arithmetic
+    mean of the ratios (9.2) would call B nine times faster; the geometric mean and the median
+    stay near the other prompts, the interval spans 1, and the test of the log ratios finds no
+    difference."""
+    from cascade.tools.ab import Run, summarize
+
+    tokens_per_second_b = [95.0, 96.0, 94.0, 97.0, 95.0, 5000.0]
+    runs = [Run(arm, i, 0, 100, 1.0 if arm == "A" else 100 / b, 10, {}, [i]) for i, b in enumerate(tokens_per_second_b)
+            for arm in "AB"]
+    s = summarize("a", "b", runs, 6, 1, greedy=True)
+    assert sum(s.per_prompt_ratio) / 6 > 9
+    assert s.median_ratio == pytest.approx(0.955) and s.geomean_ratio == pytest.approx(
+        (0.95 * 0.96 * 0.94 * 0.97 * 0.95 * 50) ** (1 / 6))
+    assert s.geomean_ratio < 2 and s.ci_low < 1 < s.ci_high and s.p_value > 0.5
 
 
 def test_sign_flip_p_value():
@@ -39,12 +56,15 @@ def test_ab_end_to_end(family, tmp_path, capsys, monkeypatch):
                  "--out", str(out), "--no-progress"])
     assert code == 0
     stdout = capsys.readouterr().out
-    assert "Mean per-prompt speed ratio B/A" in stdout and "identical tokens on every run" in stdout
+    assert "Per-prompt speed ratio B/A, geometric mean: " in stdout and "identical tokens on every run" in stdout
+    assert "; median " in stdout and "test of the log ratios" in stdout
     assert "| repetition of the text (median over prompts) |" in stdout
     data = json.loads((out / "ab.json").read_text())
     s = data["summary"]
     assert s["prompts"] == 3 and s["repeats"] == 2 and len(s["per_prompt_ratio"]) == 3
-    assert s["ci_low"] <= s["mean_ratio"] <= s["ci_high"] and 0 < s["p_value"] <= 1
+    assert s["ci_low"] <= s["geomean_ratio"] <= s["ci_high"] and 0 < s["p_value"] <= 1
+    assert s["geomean_ratio"] == pytest.approx(geometric_mean(s["per_prompt_ratio"]))
+    assert s["median_ratio"] == pytest.approx(sorted(s["per_prompt_ratio"])[1])
     assert s["exactness_failures"] == []
     assert s["a_repetition"] == s["b_repetition"]  # greedy: the same text
     assert len(data["runs"]) == 2 * 3 * 2
@@ -57,7 +77,8 @@ def test_ab_end_to_end(family, tmp_path, capsys, monkeypatch):
     assert png_size(out / "speedup.png") == (800, 350) and png_size(out / "acceptance.png") == (1000, 350)
     (ax,) = figures["speedup.png"].axes
     assert [bars for _, bars in bar_series(ax)] == [s["per_prompt_ratio"]]  # a bar per prompt
-    assert line_series(ax) == {f"mean {s['mean_ratio']:.3f}": ([0.0, 1.0], [s["mean_ratio"]] * 2)}
+    assert line_series(ax) == {f"geometric mean {s['geomean_ratio']:.3f}": ([0.0, 1.0], [s["geomean_ratio"]] * 2),
+                               f"median {s['median_ratio']:.3f}": ([0.0, 1.0], [s["median_ratio"]] * 2)}
     for ax, arm in zip(figures["acceptance.png"].axes, "AB", strict=True):
         assert ax.get_title() == f"{arm}: {s[arm.lower()]}"
         assert line_series(ax) == {edge: ([float(i) for i in range(1, len(rates) + 1)], rates)

@@ -1,9 +1,11 @@
 """Policy A/B experiments: two policies, the same prompts and seeds, interleaved in one run.
 
 ``cascade ab --topology T --a POLICY[:k=v,...] --b POLICY[:k=v,...] --prompts FILE.jsonl``
-or, from Python, :func:`run_ab`. Reports the mean per-prompt tokens/s ratio B/A with a paired
-bootstrap 95% confidence interval and a paired sign-flip permutation p-value; writes JSON, a
-markdown summary and PNG plots. Under greedy decoding both policies must produce identical
+or, from Python, :func:`run_ab`. Summarises the per-prompt tokens/s ratios B/A by their geometric
+mean (the mean of log ratios, so that a prompt twice as fast and one twice as slow cancel and no
+single prompt's ratio, a looping prompt's, say, carries the summary) with a paired bootstrap 95%
+confidence interval, their median, and a paired sign-flip permutation p-value on the log
+ratios; writes JSON, a markdown summary and PNG plots. Under greedy decoding both policies must produce identical
 tokens: any difference is reported as an exactness failure. Each arm's text is reported with
 its repetition (:mod:`cascade.repetition`, median over prompts): a loop flatters any
 speculative policy.
@@ -48,10 +50,11 @@ class Summary:
     b: str
     prompts: int
     repeats: int
-    mean_ratio: float  # mean over prompts of tokens/s(B) / tokens/s(A)
-    ci_low: float
-    ci_high: float
-    p_value: float
+    geomean_ratio: float  # geometric mean over prompts of tokens/s(B) / tokens/s(A)
+    ci_low: float | None  # its 95% interval (None with one prompt: nothing to resample)
+    ci_high: float | None
+    median_ratio: float  # median over prompts of the same ratios
+    p_value: float  # sign-flip permutation test of the log ratios (no difference: they centre on 0)
     a_tokens_per_second: float
     b_tokens_per_second: float
     a_passes_per_token: float
@@ -64,12 +67,20 @@ class Summary:
 
 
 
-def paired_bootstrap_ci(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile interval of the mean ratio, resampling prompts with replacement."""
-    rng = random.Random(seed)
+def geometric_mean(ratios: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(r) for r in ratios))
+
+
+def geometric_mean_ci(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float] | None:
+    """95% percentile interval of the geometric mean ratio, resampling prompts with replacement
+    (None for fewer than two prompts)."""
     n = len(ratios)
-    means = sorted(sum(ratios[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
-    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    if n < 2:
+        return None
+    rng = random.Random(seed)
+    logs = [math.log(r) for r in ratios]
+    means = sorted(sum(logs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    return math.exp(means[int(0.025 * resamples)]), math.exp(means[int(0.975 * resamples) - 1])
 
 
 def sign_flip_p_value(ratios: list[float], resamples: int = 20_000, seed: int = 0) -> float:
@@ -145,7 +156,7 @@ def summarize(a: str, b: str, runs: list[Run], n_prompts: int, repeats: int, gre
         return sum(x.tokens for x in rs) / sum(x.seconds for x in rs)
 
     ratios = [arm_rate("B", i) / arm_rate("A", i) for i in range(n_prompts)]
-    lo, hi = paired_bootstrap_ci(ratios)
+    lo, hi = geometric_mean_ci(ratios) or (None, None)
     failures = []
     if greedy:
         by_key = {(x.arm, x.prompt, x.repeat): x.token_ids for x in runs}
@@ -162,7 +173,8 @@ def summarize(a: str, b: str, runs: list[Run], n_prompts: int, repeats: int, gre
 
     return Summary(
         a=a, b=b, prompts=n_prompts, repeats=repeats,
-        mean_ratio=sum(ratios) / len(ratios), ci_low=lo, ci_high=hi, p_value=sign_flip_p_value(ratios),
+        geomean_ratio=geometric_mean(ratios), ci_low=lo, ci_high=hi, median_ratio=statistics.median(ratios),
+        p_value=sign_flip_p_value(ratios),
         a_tokens_per_second=total("A", "tokens") / total("A", "seconds"),
         b_tokens_per_second=total("B", "tokens") / total("B", "seconds"),
         a_passes_per_token=total("A", "authority_passes") / total("A", "tokens"),
@@ -211,7 +223,11 @@ def write_report(out: Path, summary: Summary, runs: list[Run], config: dict[str,
 
 
 def markdown(s: Summary, runs: list[Run], config: dict[str, Any]) -> str:
-    verdict = ("B faster" if s.ci_low > 1 else "A faster" if s.ci_high < 1 else "no significant difference")
+    if s.ci_low is None:
+        interval, verdict = "one prompt: no interval", "too few prompts to tell"
+    else:
+        interval = f"95% paired bootstrap CI {s.ci_low:.3f}–{s.ci_high:.3f}"
+        verdict = "B faster" if s.ci_low > 1 else "A faster" if s.ci_high < 1 else "no significant difference"
     lines = [
         f"# A/B: `{s.a}` (A) vs `{s.b}` (B)",
         "",
@@ -235,9 +251,9 @@ def markdown(s: Summary, runs: list[Run], config: dict[str, Any]) -> str:
         lines.append(f"| acceptance {key} | {fa} | {fb} |")
     lines += [
         "",
-        f"**Mean per-prompt speed ratio B/A: {s.mean_ratio:.3f}** "
-        f"(95% paired bootstrap CI {s.ci_low:.3f}–{s.ci_high:.3f}; sign-flip permutation p = {s.p_value:.4f}): "
-        f"{verdict}.",
+        f"**Per-prompt speed ratio B/A, geometric mean: {s.geomean_ratio:.3f}** ({interval}; median "
+        f"{s.median_ratio:.3f}; sign-flip permutation test of the log ratios, p = {s.p_value:.4f}): {verdict}. "
+        f"Per prompt: {', '.join(f'{r:.3f}' for r in s.per_prompt_ratio)}.",
         "",
     ]
     if config["temperature"] == 0:
@@ -261,8 +277,10 @@ def _plots(out: Path, s: Summary, runs: list[Run]) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.bar(range(len(s.per_prompt_ratio)), s.per_prompt_ratio, color="tab:blue")
     ax.axhline(1.0, color="black", lw=0.8)
-    ax.axhline(s.mean_ratio, color="tab:red", lw=1, label=f"mean {s.mean_ratio:.3f}")
-    ax.axhspan(s.ci_low, s.ci_high, color="tab:red", alpha=0.15, label="95% CI")
+    ax.axhline(s.geomean_ratio, color="tab:red", lw=1, label=f"geometric mean {s.geomean_ratio:.3f}")
+    ax.axhline(s.median_ratio, color="tab:green", lw=1, ls="--", label=f"median {s.median_ratio:.3f}")
+    if s.ci_low is not None:
+        ax.axhspan(s.ci_low, s.ci_high, color="tab:red", alpha=0.15, label="95% CI of the geometric mean")
     ax.set_xlabel("prompt")
     ax.set_ylabel("tokens/s ratio B/A")
     ax.set_title(f"B = {s.b}  vs  A = {s.a}")
@@ -288,8 +306,9 @@ def _plots(out: Path, s: Summary, runs: list[Run]) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("ab", help="compare two policies on the same prompts (A/B)",
                        description="Run two policies on the same prompts and seeds, interleaved in random order "
-                                   "after a warm-up; report the tokens/s ratio B/A with a paired bootstrap 95% CI "
-                                   "and a permutation p-value; write ab.json, summary.md and PNG plots to --out.")
+                                   "after a warm-up; report the per-prompt tokens/s ratios B/A by their geometric "
+                                   "mean with a paired bootstrap 95% CI, their median, and a permutation p-value on "
+                                   "the log ratios; write ab.json, summary.md and PNG plots to --out.")
     p.add_argument("--topology", "-t", default=DEFAULT_TOPOLOGY)
     p.add_argument("--a", required=True, type=types.policy_spec, help="policy A: NAME[:key=value,...]")
     p.add_argument("--b", required=True, type=types.policy_spec, help="policy B: NAME[:key=value,...]")
