@@ -158,8 +158,8 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:  # [n, vocab] -
     """Top-p: keep a token while the mass ranked strictly above it is below ``top_p`` (the
     smallest set reaching ``top_p``, never an empty one), renormalised.
 
-    Sorting a 49,152-token row costs ~6 ms on one CPU thread, more than a small model's forward
-    pass, and a verifier warps every position of a block. The nucleus lies inside the ``k`` most
+    Sorting a whole row of a large vocabulary on one CPU thread costs more than a small model's
+    forward pass (docs/results-log.md), and a verifier warps every position of a block. The nucleus lies inside the ``k`` most
     likely tokens as soon as their mass reaches ``top_p`` (a token ranked lower has at least that
     much above it), so each row is ranked with ``topk`` over 128, then 1,024, 8,192 ... tokens,
     and sorted whole only where even those fall short."""
@@ -320,8 +320,8 @@ def sample_with_keys(
     A token of zero mass never wins (its ratio is 0, and some token has mass).
 
     Only tokens with mass can win, so where a row's mass sits on few tokens (top-p, top-k, a
-    draft vocabulary) the noise is computed there alone (:func:`_noise_at`, the same values):
-    the race over 49,152 tokens costs ~0.6 ms a row on one CPU thread, over a nucleus ~0.1 ms.
+    draft vocabulary) the noise is computed there alone (:func:`_noise_at`, the same values),
+    several times cheaper than over the whole vocabulary (docs/results-log.md).
     The winner is the same either way (zero-mass tokens hold ratio 0 in both)."""
     rows = probs.reshape(-1, probs.shape[-1])
     keys = keys.reshape(-1)

@@ -62,8 +62,8 @@ class Worker(abc.ABC):
     can_score: bool = True
     # The authority ids, ascending, outside which this level never drafts (a trimmed draft
     # vocabulary, workers.draft_vocab): where set, :meth:`_next_logits` returns rows over these
-    # columns alone and :meth:`draft` warps them there (~0.6 ms a drafted token saved over
-    # 49,152); None: rows over the whole vocabulary.
+    # columns alone and :meth:`draft` warps them there (cheaper than over the whole vocabulary:
+    # docs/engine.md, "Feature heads"); None: rows over the whole vocabulary.
     draft_columns: torch.Tensor | None = None
     # whether :meth:`draft_tree` works here (the generic one scores nodes with :meth:`score`)
     drafts_trees: bool = True

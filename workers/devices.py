@@ -45,7 +45,7 @@ def _cuda_has(device: torch.device) -> bool:
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` computes bf16 natively: CUDA that supports it, or a CPU with AVX-512
     BF16 or AMX-BF16. Elsewhere torch emulates bf16 matrix products, several times slower than
-    float32 (an AVX2-only AMD EPYC, 2026-12-02: 2.8 GFLOPS against 16 in float32, one thread)."""
+    float32 (docs/real-model.md, "What a pass costs, and why bf16 matters")."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu":

@@ -4,10 +4,7 @@ Decoding reads every weight of the model once per pass to multiply it by one row
 verifying a block of k drafted tokens reads them once to multiply by k + 1 rows. Both are bound
 by reading the weights, so on paper the block costs what one row costs — the premise of
 speculative decoding. MKL's and oneDNN's kernels do not get there for a few rows on an AVX2 CPU
-(one thread, AMD EPYC, float32, SmolLM2-135M's weights read once from memory, ms by rows:
-F.linear over row-major weights 63, 106 at 1 and 4 rows; MKL over column-major weights or oneDNN
-from a prepacked copy, whichever is faster, ~45 at 1, ~70 at 4, 95 at 8; this kernel 46, 60, 65 —
-docs/engine.md has the whole pass).
+(docs/engine.md has what a whole pass costs with each; docs/results-log.md the products alone).
 
 This module compiles, once per machine, a small C kernel for it: the weight is copied into
 blocks of 16 output columns, each stored ``[in, 16]`` so that a block streams contiguously from
@@ -47,11 +44,10 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 BLOCK = 16  # output columns per block: two 8-float AVX2 registers per row
-# More rows than this go to MKL. SmolLM2-135M's weights read once, one thread, AVX2 EPYC
-# (2026-12-03), ms by rows, this kernel / oneDNN prepacked / F.linear: 8: 65 / 95 / 108,
-# 16: 99 / 127 / 143, 32: 183 / 197 / 212; at 64 rows MKL's blocked product is ~2x faster.
+# More rows than this go to MKL, whose blocked product overtakes this kernel between 32 and 64
+# rows (docs/results-log.md).
 MAX_ROWS = 32
-# Weights smaller than this stay with F.linear: a call's fixed cost (~3 us) is not worth saving.
+# Weights smaller than this stay with F.linear: a call's fixed cost is not worth saving there.
 MIN_ELEMENTS = 1 << 16
 
 _SOURCE = r"""

@@ -276,7 +276,7 @@ class HFWorker(Worker):
             return self._score_batch(seq_ids, token_ids, num_positions)
         if len(seq_ids) == 1 and not self._pool.row_of:
             # A solo request: its own cache beats the pool's masked buffers at batch 1
-            # (bundled tiny: 0.57 vs 0.78 ms per pass). It joins the pool if it is ever batched.
+            # (docs/results-log.md). It joins the pool if it is ever batched.
             return [self._score_one(seq_ids[0], list(token_ids[0]), num_positions[0])]
         for s in seq_ids:  # sequences served alone so far move to the pool (prefilled there once)
             self._caches.pop(s, None)

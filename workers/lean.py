@@ -2,9 +2,9 @@
 caches the HF worker keeps.
 
 Small models are dominated by the framework's per-call work, not by their arithmetic: for the
-bundled 1-layer ``tiny`` at batch 4, transformers' ``LlamaForCausalLM.forward`` spends about 1 ms
-a pass, of which the matrix products are a third (building the 4D causal mask, output records,
-keyword plumbing and attention dispatch are the rest). A drafter runs several such passes per
+bundled 1-layer ``tiny``, most of transformers' ``LlamaForCausalLM.forward`` goes to building the
+4D causal mask, output records, keyword plumbing and attention dispatch, not to the matrix
+products (docs/benchmarks.md, "The lean forward"). A drafter runs several such passes per
 verification, so that overhead is paid many times per committed token.
 
 :func:`lean_forward` returns a function that computes the same thing from the loaded model's
@@ -81,25 +81,20 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     attn = decoder[0].self_attn
     head_dim, scaling, groups = attn.head_dim, attn.scaling, attn.num_key_value_groups
     # Grouped-query attention: the kernel reads each key/value head for its group of query heads
-    # (the same products as over repeated keys; SmolLM2, 200 columns: ~0.1 ms a layer saved).
+    # (the same products as over repeated keys, without materialising the repeated copies).
     gqa = {"enable_gqa": True} if groups > 1 and _sdpa_gqa() else {}
     # A pass over several positions folds each key/value head's group of query heads into the
     # query length instead ([rows, kv_heads, groups x width, head_dim] against the unrepeated
     # keys, the mask repeated per group): the same rows of the same products, and torch's CPU
-    # attention kernel runs it far faster than its grouped-query path (one thread, SmolLM2's 9/3
-    # heads, 200 columns, batch 4: 355 -> 181 us a layer for 2 positions, 416 -> 242 for 4; batch
-    # 1, 400 columns: 144 -> 110). The same products, but not always rounded alike: in bfloat16 an
-    # output may differ by one rounding step (AVX-512 BF16 EPYC: 30 of 40 random 2-position cases
-    # bit for bit equal) — of the order a pass's width already moves a logit (cascade/DESIGN.md
-    # §2), and the same for the same pass every time. Passes wider than FOLD_MOST_POSITIONS
-    # (prefills) keep the grouped path, where the fold loses (batch 1, 150 new positions: 0.64 ->
-    # 0.69 ms; 32 after 300: 0.35 -> 0.46).
+    # attention kernel runs it far faster than its grouped-query path. The same products, but not
+    # always rounded alike: in bfloat16 an output may differ by one rounding step on some CPUs —
+    # of the order a pass's width already moves a logit (cascade/DESIGN.md §2), and the same for
+    # the same pass every time. Passes wider than FOLD_MOST_POSITIONS (prefills) keep the grouped
+    # path, where the fold is slower.
     # One position folds too in bfloat16 on a CPU, where torch's grouped-query kernel over a
-    # single query position is slow on some processors (one thread, SmolLM2's 9/3 heads, 151
-    # columns, AVX-512 BF16 EPYC without AMX, 2026-12-06: 143 us a layer at batch 1, 562 at
-    # batch 4, against 33 and 103 folded; the authority's whole one-position pass 0.90x at batch
-    # 1, 0.67x at 4, 0.57x at 8). In float32 both calls cost the same there and the grouped one
-    # is kept: float32's record of token-identical greedy output stays on the same arithmetic.
+    # single query position is slow on some processors. In float32 both calls cost the same and
+    # the grouped one is kept: float32's record of token-identical greedy output stays on the
+    # same arithmetic. What each costs: docs/engine.md ("Batches underneath") and the results log.
     fold_one = fold_one_position(model.dtype, model.device)
     # Each layer's tensors, fetched once (a module call and its attribute lookups cost more than
     # a small model's matrix product); the ops below are the modules' own, in their order.
@@ -196,10 +191,9 @@ def attention_mask(valid, width: int, columns: int, device, among=None):
     return (valid[:, None, :columns] & causal[None])[:, None]
 
 
-# Weights of at least this many elements are worth a oneDNN call for a pass of several rows
-# (one thread, AVX2 EPYC, float32, microseconds for 2 / 4 rows: 1536x576 158/249 with F.linear
-# against 106/178; 8192x256 583/1613 against 259/464 — MKL's kernel for a few rows is poor); a
-# smaller one is not (576x576: even at best), and oneDNN's ~25 us a call loses on tiny ones.
+# Weights of at least this many elements are worth a oneDNN call for a pass of several rows, where
+# MKL's float32 kernel for a few rows is poor; on a smaller one oneDNN's fixed cost a call eats
+# what it saves (figures by weight shape: docs/results-log.md).
 PACK_MIN_ELEMENTS = 1 << 19
 
 
@@ -237,10 +231,9 @@ def linear_product(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) 
 def _prepacked(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x @ weight.T + bias`` through oneDNN from a copy of ``weight`` in its blocked layout, made
     once (F.linear reorders the weight on every call). In bfloat16, where oneDNN computes it
-    natively, that is faster at every size and row count a level meets (one thread, Intel Xeon
-    with AMX-BF16, 2026-12-05, SmolLM2-135M's weights read once from memory: 38-43 ms -> 27-33 ms
-    for 1-32 rows; a drafter's 256x256 27 -> 19 us, its 8192x256 output head 318 -> 192 us) and
-    the same product: oneDNN's kernel either way, each output accumulated in float32."""
+    natively, that is faster at every size and row count a level meets (docs/engine.md,
+    "Batches underneath") and the same product: oneDNN's kernel either way, each output
+    accumulated in float32."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
     def product(x: torch.Tensor) -> torch.Tensor:
@@ -254,9 +247,8 @@ def column_major(weight: torch.Tensor) -> None:
     """Store a 2-D weight ``[out, in]`` column-major, in place: the same values and shape, the
     storage of its transpose. F.linear of one row then runs MKL's non-transposed matrix-vector
     product, which streams the weight faster than the transposed one does over the row-major
-    layout (one thread, AVX2 EPYC, float32, a model's worth of weights read once, ms: SmolLM2's
-    LM head 13.6 -> 7.9, its 30 MLPs 37.9 -> 30.9; the attention's smaller projections gain
-    nothing). Every module sharing the parameter (a tied embedding) sees the new layout; an
+    layout (for large weights such as an LM head or an MLP's; the attention's smaller projections
+    gain nothing: docs/engine.md). Every module sharing the parameter (a tied embedding) sees the new layout; an
     embedding's lookups are as exact from it."""
     if weight.dim() == 2 and weight.stride() != (1, weight.shape[0]):
         weight.data = weight.data.t().contiguous().t()
@@ -274,9 +266,8 @@ def own_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[to
 def few_rows_now() -> bool:
     """Whether products built now go through the few-row kernel: where it is available and torch
     runs one intra-op thread. The kernel is single-threaded; with more threads, oneDNN's and
-    MKL's parallel products over prepacked and column-major weights are faster (SmolLM2, two
-    threads, AVX2 EPYC: a one-position pass 67 ms against 85 over row-major weights), so the
-    layout is chosen for the thread count when the model loads."""
+    MKL's parallel products over prepacked and column-major weights are faster (docs/engine.md),
+    so the layout is chosen for the thread count when the model loads."""
     return few_rows.enabled() and torch.get_num_threads() == 1
 
 

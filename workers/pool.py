@@ -112,8 +112,8 @@ def _buffer_layer_class():
 def growing_cache(model):
     """A solo sequence's cache (:class:`~workers.hf.HFWorker`): one layer per decoder layer over
     buffers written in place, grown by doubling and cropped by moving its length back — where
-    transformers' DynamicLayer concatenates, copying the whole cache on every pass (SmolLM2-135M,
-    bf16, 200 cached tokens: ~2 ms of a ~36 ms pass at one position, ~4 ms at four). The same
+    transformers' DynamicLayer concatenates, copying the whole cache on every pass (what that
+    costs: docs/engine.md, "Batches underneath"). The same
     keys and values, in the same order: attention reads views of them."""
     from transformers.cache_utils import Cache
 

@@ -11,7 +11,7 @@ import torch
 from workers.base import DTYPES
 
 # Plain tuples of bytes pickle several times faster than dataclasses of arrays (or pydantic
-# objects): measured here, that is a third of a call's round trip on a small CPU machine.
+# objects), and pickling is a large share of a small call's round trip.
 Packed = tuple  # ("dense", n, vocab, dtype, data) | ("sparse", n, vocab, dtype, rows, cols, values)
 
 

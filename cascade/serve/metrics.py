@@ -15,8 +15,7 @@ Meanings (vLLM's where the name is vLLM's):
   ``spec_decode_num_accepted_tokens_per_rank{edge,mode,position,rank}``: accepted tokens by
   position and by which sibling they were (0: the proposer's first choice). ``mode`` is
   ``greedy`` or ``sampled`` (temperature > 0): a draft is accepted far more often under greedy
-  decoding (SmolLM2's prompt lookup: 0.59 against 0.17 at T = 0.8), and the adaptive policies
-  keep the two apart too (docs/policies.md); sum over ``mode`` for vLLM's per-edge figure.
+  decoding (several-fold, docs/policies.md), and the adaptive policies keep the two apart too; sum over ``mode`` for vLLM's per-edge figure.
 - ``time_to_first_token_seconds``: arrival to the first committed token;
   ``inter_token_latency_seconds``: time between two engine steps that committed tokens for a
   request (one observation per step, as vLLM counts one per engine iteration — a step may

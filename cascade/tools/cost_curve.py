@@ -3,8 +3,8 @@ positions it scores, after a prefix — measured through the level's own worker 
 verification makes), so that drafters can be sized against the authority on *this* machine.
 
 Speculation pays when scoring a block costs little more than scoring one token (the weights are
-read once either way); how much more depends on the processor and the dtype (bf16 differs
-between a CPU with AMX and one without). Widths and levels are measured interleaved, in a fresh
+read once either way); how much more depends on the processor and the dtype (in bf16, on
+which bf16 instructions the CPU has). Widths and levels are measured interleaved, in a fresh
 random order each repeat, and reported as median (min–max) over the repeats, with torch's threads set
 and said. ``--batch B`` measures a pass over B sequences at once, each scoring the width (B x width
 positions in all): what a verification costs a server decoding B requests, where a drafted position

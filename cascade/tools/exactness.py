@@ -163,13 +163,12 @@ def uncertain_prefix(model, prompts_ids: Sequence[Sequence[int]], sampling, shor
 # -- greedy identity and low-precision arithmetic (cascade/DESIGN.md §2, "Numerics") ---------------
 
 # A model's logits depend, by rounding, on how many positions a pass scores (matrix kernels block
-# by the number of rows): in bf16 or float16 on the development CPU up to 0.25-0.75 of a logit
-# for SmolLM2-135M-Instruct (docs/real-model.md), in float32 about 5e-5 of a logit (the same
-# model, 4 positions against 4 single passes, AVX2 EPYC, 2026-12-03). A greedy divergence whose
+# by the number of rows): in bf16 or float16 a good fraction of a logit, in float32 some 1e-5 of
+# one (docs/real-model.md, "Greedy identity in bf16"). A greedy divergence whose
 # two tokens are this close is a near-tie that rounding can flip; a wrong acceptance rule shows
 # as a divergence far outside it.
 NEAR_TIE_LOGITS = 1.0
-FLOAT32_NEAR_TIE_LOGITS = 1e-3  # 20x the measured float32 rounding; float64 gets none
+FLOAT32_NEAR_TIE_LOGITS = 1e-3  # 20x float32's width dependence (docs/real-model.md); float64 gets none
 
 
 @dataclass(frozen=True)
