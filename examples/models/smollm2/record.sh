@@ -10,8 +10,8 @@
 # record/ holds the shards and record.json, record.log the progress. Shards are a pure function
 # of (seed, shard index, batch), so keep SEQUENCES' batch and seed unchanged across resumes;
 # SEQUENCES may grow. It runs at low priority (nice 5) on THREADS threads (default 1), taking the
-# CPU that nothing else wants (about 120 recorded tokens/s on an idle AMD EPYC core, 2026-12-02;
-# 125 on an AMX Xeon core beside a benchmark, 2026-12-04); THREADS=2 on an idle 2-core machine.
+# CPU that nothing else wants (the rates seen so far: docs/results-log.md); THREADS=2 on an idle
+# 2-core machine.
 set -euo pipefail
 
 cd "$(dirname "$0")/../../.."

@@ -16,12 +16,10 @@
 # (the drafters'), bf16. STEPS fixes the cosine schedule: keep it (and the records) unchanged
 # across resumes; MINUTES caps the training time (the schedule then follows time).
 #
-# Sized by measurement: on a 2-core AMX Xeon (bf16 autocast, one thread, beside train.sh on the
-# other core, 2026-12-04) the features cost ~1,300 tokens/s (2.05M recorded tokens: ~25 minutes,
-# 2.3 GB) and training ~2,700 positions/s (8 x 256 a step); the defaults (MINUTES=56, the
-# schedule following time) trained the shipped head: ~4.6 passes over 1.95M training tokens. On
-# an AVX2-only CPU in float32 both are ~5-10x slower (2026-12-02: 100-185 tokens/s, 300-500
-# positions/s).
+# Sized by measurement: the defaults (MINUTES=56, the schedule following time) trained the
+# shipped head, ~4.6 passes over 1.95M training tokens, on a CPU with native bf16 (the run and
+# its rates: the model card, README.md here); on an AVX2-only CPU in float32 both the features
+# and the training are several times slower (docs/results-log.md).
 set -euo pipefail
 
 cd "$(dirname "$0")/../../.."

@@ -10,8 +10,8 @@
 # both over an 8,192-token draft vocabulary. Checkpoints, logs and the finished students go to
 # $SMOLLM2_WORK (default ~/.cache/cascade/work/smollm2)/train and .../drafters. STEPS fixes the
 # cosine schedule: keep it (and the records) unchanged across resumes; MINUTES caps the training
-# time (the schedule then follows time). The defaults trained the shipped drafters: 85 minutes,
-# one thread, on an AMX Xeon (2026-12-04; model card: README.md here).
+# time (the schedule then follows time). The defaults trained the shipped drafters (the run:
+# the model card, README.md here).
 set -euo pipefail
 
 cd "$(dirname "$0")/../../.."
