@@ -24,6 +24,8 @@ def test_demo_runs_and_reports(family, tmp_path, capsys):
     # both kinds of text: greedy (identity-checked) and sampled at the default T = 0.8, top-p 0.95
     assert "\ngreedy:\n" in out and "\nT=0.8, top-p 0.95:\n" in out
     assert out.count("plain decoding (large)") == 2 and out.count("cascade (fixed policy)") == 2
+    # beside the speedup over plain decoding, the one over the authority alone timed in the same run
+    assert out.count("cascade, authority alone") == 2 and out.count("vs authority alone") >= 2
     assert "repetition" in out
     assert "tiny->small" in out and "small->large" in out
     assert "all 2 outputs identical to plain greedy decoding" in out
@@ -31,7 +33,11 @@ def test_demo_runs_and_reports(family, tmp_path, capsys):
     # texts of the first repeat only; figures are medians over the 3 default repeats, with their range
     assert out.count("=== prompt") == 4 and out.count(", greedy (") == 2 and out.count(", T=0.8, top-p 0.95 (") == 2
     assert out.count("median over 3 interleaved repeat(s), min–max in brackets") == 2
-    assert re.search(r"cascade \(fixed policy\) +[\d.]+ \([\d.]+–[\d.]+\) +[\d.]+x \([\d.]+–[\d.]+\)", out)
+    assert re.search(r"cascade \(fixed policy\) +[\d.]+ \([\d.]+–[\d.]+\) +[\d.]+x \([\d.]+–[\d.]+\) +"
+                     r"[\d.]+x \([\d.]+–[\d.]+\)", out)
+    assert re.search(r"cascade, authority alone +[\d.]+ \([\d.]+–[\d.]+\) +[\d.]+x \([\d.]+–[\d.]+\) +1.00x", out)
+    assert re.search(r"of which drafting \(over cascade with the authority alone, in the same run\): greedy: [\d.]+x "
+                     r"\([\d.]+–[\d.]+\); T=0.8, top-p 0.95: [\d.]+x \([\d.]+–[\d.]+\)", out)
     assert re.search(r"speedup over plain decoding, median of 3 repeat\(s\) \(min–max\): greedy: [\d.]+x "
                      r"\([\d.]+–[\d.]+\); T=0.8, top-p 0.95: [\d.]+x \([\d.]+–[\d.]+\)", out)
     assert "identical to plain greedy decoding in each of 3 repeats" in out
@@ -72,11 +78,14 @@ def test_demo_headline_and_busy_warning_on_given_timings(capsys):
         m = Mode(label, None, None, len(plain_seconds))
         m.plain_time = [[96, s] for s in plain_seconds]
         m.cascade_time = [[96, s] for s in cascade_seconds]
+        m.alone_time = [[96, s * 0.9] for s in plain_seconds]  # the lean forward alone: 1.11x plain
         return m
 
     _headline([mode("greedy", [1.0, 1.05, 1.1], [0.8, 0.8, 0.9]), mode("sampled", [1.0, 1.0, 1.0], [0.9, 0.9, 0.9])])
     out = capsys.readouterr().out
     assert "median of 3 repeat(s) (min–max): greedy: 1.25x (1.22–1.31); sampled: 1.11x (1.11–1.11)" in out
+    assert "of which drafting (over cascade with the authority alone, in the same run): greedy: 1.12x (1.10–1.18); " \
+           "sampled: 1.00x (1.00–1.00)" in out
     assert "busy" not in out
     _headline([mode("greedy", [1.0, 2.0, 1.1], [0.8, 1.6, 0.88])])  # one repeat twice as slow on both sides
     out = capsys.readouterr().out

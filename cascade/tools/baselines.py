@@ -48,6 +48,21 @@ def assisted_unfit(draft, authority) -> str | None:
     return None
 
 
+def authority_alone(c):
+    """A :class:`cascade.api.Cascade` over ``c``'s authority alone (its worker shared, not
+    closed by this one): cascade's own forward with no drafting, which ``cascade bench`` calls
+    ``cascade:authority``; what a configuration gains over it is what drafting bought."""
+    from cascade.api import Cascade
+    from cascade.topology import topology_from_dict
+    from policies import from_spec
+
+    topo = c.topology
+    level = topo.spec.level(topo.authority).model_dump(exclude_unset=True)  # as written
+    alone = topology_from_dict({"name": f"{topo.spec.name}-authority", "levels": [level], "edges": []}, topo.source,
+                               topo.base_dir, check_models=False)
+    return Cascade(alone, {topo.authority: c.workers[topo.authority]}, c.tokenizer, from_spec("fixed"))
+
+
 def plain_generate(model, prompt_ids: list[int], max_new_tokens: int, sampling=None,
                    seed: int | None = None) -> tuple[list[int], float]:
     """Decoding of ``model`` alone with transformers' own ``generate``: greedy, or sampled with

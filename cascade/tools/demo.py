@@ -1,12 +1,16 @@
-"""``cascade demo``: the bundled family on held-out prompts, against plain decoding, in one run.
+"""``cascade demo``: a topology (the main one by default) on held-out prompts, against plain
+decoding and against cascade with the authority alone, in one run.
 
 Two kinds of text side by side: greedy decoding, where every output must equal plain greedy
 decoding's token for token, and sampled decoding (T = 0.8, top-p 0.95 unless told otherwise),
 how most people sample. Small models loop under greedy decoding, and a loop is what every draft
-predicts best, so each kind's speedup is shown with how repetitive its text was.
+predicts best, so each kind's speedup is shown with how repetitive its text was. Beside the
+speedup over plain decoding, the speedup over the authority alone in cascade (its own forward,
+no drafting; ``cascade bench``'s ``cascade:authority``): what drafting itself bought.
 
 Timing: torch's threads are set (one unless ``--threads`` says otherwise) and printed; the
-cascade and plain decoding run interleaved, each prompt's pair in alternating order, over
+cascade, the authority alone and plain decoding run interleaved, each prompt's three in a
+rotating order, over
 ``--repeats`` repeats of every prompt in both kinds; every speed is the median over the repeats
 with its range (:mod:`cascade.tools.timing`), and a range that shows the machine was busy is
 named in a warning.
@@ -38,12 +42,13 @@ ABOUT_THE_REAL_MODEL = ("The authority is SmolLM2-135M-Instruct (HuggingFaceTB, 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "demo", help="run the default topology on held-out prompts next to plain decoding",
-        description="Generate code for a few held-out prompts with the cascade and with plain decoding of the "
-                    "authority (transformers generate), interleaved in one run over --repeats repeats, greedily "
-                    "(outputs must be identical) and sampled (--temperature, default 0.8, --top-p 0.95); print the "
-                    "code and, for each, a table of tokens/s and speedup (median over the repeats, with their "
-                    "range), the text's repetition, tokens per authority pass and acceptance per edge; warn when "
-                    "the range shows the machine was busy.",
+        description="Generate text for a few held-out prompts with the cascade, with cascade's authority alone "
+                    "(no drafting) and with plain decoding of the authority (transformers generate), interleaved in "
+                    "one run over --repeats repeats, greedily (outputs must be identical) and sampled (--temperature, "
+                    "default 0.8, --top-p 0.95); print the text and, for each, a table of tokens/s, speedup over "
+                    "plain decoding and over the authority alone (median over the repeats, with their range), the "
+                    "text's repetition, tokens per authority pass and acceptance per edge; warn when the range shows "
+                    "the machine was busy.",
     )
     p.add_argument("--topology", "-t", default=None, help=MAIN_TOPOLOGY_HELP)
     p.add_argument("--prompts", default=None,
@@ -75,6 +80,7 @@ class Mode:
     repeats: int
     cascade_time: list[list[float]] = field(default_factory=list)  # per repeat: [tokens, seconds]
     plain_time: list[list[float]] = field(default_factory=list)
+    alone_time: list[list[float]] = field(default_factory=list)  # the authority alone in cascade
     mismatches: set[int] = field(default_factory=set)
     divergences: dict = field(default_factory=dict)  # prompt -> exactness.Divergence (greedy)
     cascade_ids: list[list[int]] = field(default_factory=list)
@@ -83,15 +89,21 @@ class Mode:
     def __post_init__(self):
         self.cascade_time = [[0, 0.0] for _ in range(self.repeats)]
         self.plain_time = [[0, 0.0] for _ in range(self.repeats)]
+        self.alone_time = [[0, 0.0] for _ in range(self.repeats)]
 
     def spreads(self) -> dict[str, Spread]:
-        """Per repeat, over all prompts: each side's tokens/s and the speedup (cascade over plain)."""
+        """Per repeat, over all prompts: each side's tokens/s, the speedup (cascade over plain), the
+        authority alone's speedup over plain, and drafting's (cascade over the authority alone)."""
         def rates(per_repeat):
             return [t / s if s else 0.0 for t, s in per_repeat]
 
-        plain, cascade = rates(self.plain_time), rates(self.cascade_time)
+        def ratio(xs, ys):
+            return Spread.of(x / y if y else 0.0 for x, y in zip(xs, ys))
+
+        plain, cascade, alone = rates(self.plain_time), rates(self.cascade_time), rates(self.alone_time)
         return {"plain tok/s": Spread.of(plain), "cascade tok/s": Spread.of(cascade),
-                "speedup": Spread.of(c / p if p else 0.0 for c, p in zip(cascade, plain))}
+                "authority alone tok/s": Spread.of(alone), "speedup": ratio(cascade, plain),
+                "authority alone speedup": ratio(alone, plain), "drafting speedup": ratio(cascade, alone)}
 
 
 @guarded
@@ -99,7 +111,7 @@ def run(args) -> int:
     from cascade.api import Cascade
     from cascade.sampling import Sampling
     from cascade.stats import RequestStats
-    from cascade.tools.baselines import as_loaded, load_prompts, plain_generate
+    from cascade.tools.baselines import as_loaded, authority_alone, load_prompts, plain_generate
     from cascade.tools.bench_records import mode_label
 
     args.topology = args.topology or main_topology(lambda line: print(line, file=sys.stderr))
@@ -116,6 +128,7 @@ def run(args) -> int:
             print("error: demo needs a transformers authority to compare against", file=sys.stderr)
             return 1
         model = as_loaded(model)  # plain decoding as transformers runs it
+        alone = authority_alone(c)  # shares the authority's worker, which c closes
         print(ABOUT_THE_REAL_MODEL if real else ABOUT_THE_MODELS)
         print(threads_line(threads))
         print(machine_line(machine()))
@@ -124,13 +137,14 @@ def run(args) -> int:
         # timed runs use only if the file is short).
         warm = load_prompts(args.prompts)[-1]
         c.generate(warm, max_new_tokens=64, temperature=0.0)
+        alone.generate(warm, max_new_tokens=8, temperature=0.0)
         plain_generate(model, c.tokenizer.encode(warm), 8)
         kinds = [Sampling()] + ([sampled] if not sampled.greedy else [])
         modes = [Mode(mode_label(s), s, RequestStats(c.topology.authority), args.repeats) for s in kinds]
         # Repeat by repeat, both kinds in each: a busy spell hits one repeat, which the median discounts.
         for r in range(args.repeats):
             for mode in modes:
-                _decode(c, model, prompts, mode, r, args)
+                _decode(c, alone, model, prompts, mode, r, args)
     for mode in modes:
         _table(mode, c.topology.authority, c.topology.spec.policy.name)
     _headline(modes)
@@ -155,10 +169,11 @@ def run(args) -> int:
     return 0
 
 
-def _decode(c, model, prompts: list[str], mode: Mode, repeat: int, args) -> None:
-    """One repeat of every prompt through the cascade and plain decoding, alternating which runs
-    first (by prompt and by repeat) so that drift in machine load hits both alike; prompt ``i``
-    sampled with seed ``args.seed + i`` in every repeat, so the repeats time the same work."""
+def _decode(c, alone, model, prompts: list[str], mode: Mode, repeat: int, args) -> None:
+    """One repeat of every prompt through the cascade, the authority alone (``alone``) and plain
+    decoding, rotating which runs first (by prompt and by repeat) so that drift in machine load
+    hits all three alike; prompt ``i`` sampled with seed ``args.seed + i`` in every repeat, so the
+    repeats time the same work."""
     from cascade.tools.baselines import plain_generate
     from cascade.tools.exactness import greedy_divergence
 
@@ -167,25 +182,28 @@ def _decode(c, model, prompts: list[str], mode: Mode, repeat: int, args) -> None
         ids = c.tokenizer.encode(prompt)
         seed = args.seed + i
 
-        def cascade():
-            return c.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=sampling.temperature,
-                              top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, coupling=COUPLING)
+        def run(which):
+            return which.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=sampling.temperature,
+                                  top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, coupling=COUPLING)
 
-        if (i + repeat) % 2:
-            ref, secs = plain_generate(model, ids, args.max_new_tokens, sampling, seed)
-            g = cascade()
-        else:
-            g = cascade()
-            ref, secs = plain_generate(model, ids, args.max_new_tokens, sampling, seed)
+        done = {}
+        sides = {"plain": lambda: plain_generate(model, ids, args.max_new_tokens, sampling, seed),
+                 "cascade": lambda: run(c), "alone": lambda: run(alone)}
+        order = list(sides)
+        for name in order[(i + repeat) % 3:] + order[:(i + repeat) % 3]:
+            done[name] = sides[name]()
+        (ref, secs), g, a = done["plain"], done["cascade"], done["alone"]
         _add(mode.plain_time[repeat], len(ref), secs)
         _add(mode.cascade_time[repeat], len(g.token_ids), g.stats.wall_seconds)
+        _add(mode.alone_time[repeat], len(a.token_ids), a.stats.wall_seconds)
         mode.stats.merge(g.stats)
-        same = g.token_ids == ref
-        if sampling.greedy and not same:
-            mode.mismatches.add(i)
-            found = greedy_divergence(model, ids, g.token_ids, ref, c.tokenizer.eos_token_id)
-            if i not in mode.divergences or not found.near_tie:  # any repeat's real divergence is kept
-                mode.divergences[i] = found
+        if sampling.greedy:
+            for got in (g.token_ids, a.token_ids):  # the authority alone must match plain decoding too
+                if got != ref:
+                    mode.mismatches.add(i)
+                    found = greedy_divergence(model, ids, got, ref, c.tokenizer.eos_token_id)
+                    if i not in mode.divergences or not found.near_tie:  # any repeat's real divergence is kept
+                        mode.divergences[i] = found
         if repeat:
             continue
         mode.cascade_ids.append(g.token_ids)
@@ -193,7 +211,8 @@ def _decode(c, model, prompts: list[str], mode: Mode, repeat: int, args) -> None
         if not args.quiet:
             verdict = ""
             if sampling.greedy:
-                verdict = ", identical to plain decoding" if same else f", {mode.divergences[i].describe()}"
+                verdict = ", identical to plain decoding" if i not in mode.mismatches else \
+                    f", {mode.divergences[i].describe()}"
             print(f"\n=== prompt {i + 1}/{len(prompts)}, {mode.label} ({len(g.token_ids)} tokens, "
                   f"{g.stats.tokens_per_second:.1f} tok/s{verdict})")
             print(prompt + g.text)
@@ -213,13 +232,18 @@ def _table(mode: Mode, authority: str, policy: str) -> None:
         return statistics.median(repetition(t) for t in texts) if texts else 0.0
 
     print(f"\n{mode.label}:")
-    print(f"{'':<28}{'tokens/s':>20}{'speedup':>20}{'repetition':>12}")
+    print(f"{'':<28}{'tokens/s':>20}{'speedup':>20}{'vs authority alone':>20}{'repetition':>12}")
     print(f"{'plain decoding (' + authority + ')':<28}{spreads['plain tok/s'].format('.1f'):>20}{'1.00x':>20}"
-          f"{rep(mode.plain_ids):>12.2f}")
+          f"{'':>20}{rep(mode.plain_ids):>12.2f}")
+    print(f"{'cascade, authority alone':<28}{spreads['authority alone tok/s'].format('.1f'):>20}"
+          f"{spreads['authority alone speedup'].format(unit='x'):>20}{'1.00x':>20}")
     print(f"{'cascade (' + policy + ' policy)':<28}{spreads['cascade tok/s'].format('.1f'):>20}"
-          f"{spreads['speedup'].format(unit='x'):>20}{rep(mode.cascade_ids):>12.2f}")
-    print(f"(tokens/s and speedup: median over {mode.repeats} interleaved repeat(s), min–max in brackets; repetition: "
-          "median share of generated tokens that close a 4-gram already in the same text)")
+          f"{spreads['speedup'].format(unit='x'):>20}{spreads['drafting speedup'].format(unit='x'):>20}"
+          f"{rep(mode.cascade_ids):>12.2f}")
+    print(f"(tokens/s and speedups: median over {mode.repeats} interleaved repeat(s), min–max in brackets; speedup: "
+          "over plain decoding; vs authority alone: over cascade with the authority alone, its own forward with no "
+          "drafting, timed in the same run: what drafting bought; repetition: median share of generated tokens that "
+          "close a 4-gram already in the same text)")
     print(f"tokens per authority pass: {mode.stats.tokens_per_authority_pass:.2f}")
     print(f"{'edge':<20}{'acceptance':>11}{'mean block':>12}")
     for key, e in mode.stats.edges.items():
@@ -231,7 +255,10 @@ def _headline(modes: list[Mode]) -> None:
     n = modes[0].repeats
     figures = "; ".join(f"{m.label}: {m.spreads()['speedup'].format(unit='x')}" for m in modes)
     print(f"\nspeedup over plain decoding, median of {n} repeat(s){' (min–max)' if n > 1 else ''}: {figures}")
-    spreads = {f"{m.label} {name}": s for m in modes for name, s in m.spreads().items() if name != "cascade tok/s"}
+    drafting = "; ".join(f"{m.label}: {m.spreads()['drafting speedup'].format(unit='x')}" for m in modes)
+    print(f"of which drafting (over cascade with the authority alone, in the same run): {drafting}")
+    spreads = {f"{m.label} {name}": s for m in modes for name, s in m.spreads().items()
+               if name in ("plain tok/s", "speedup")}
     warning = busy_warning(spreads)
     if warning:
         print(warning)
