@@ -109,3 +109,25 @@ def test_record_loss_is_the_kl_on_the_recorded_partition():
     assert record_loss(rest_moved, batch)[0].item() > 1e-3
     batch.has_row[:] = False
     assert torch.isnan(record_loss(rest_moved, batch)[0])  # no rows: nothing to average (never sampled)
+
+
+def test_kept_ids_are_scored_not_generated_again(recorded, tmp_path):
+    """--keep: each shard's token ids, compressed; a shard found there is only scored, so a
+    recording carried in a repository is rebuilt on a machine whose cache is gone."""
+    root, authority, tok = recorded
+    common = ["record", "--model", str(authority), "--sequences", "8", "--batch", "4", "--user-tokens", "8",
+              "--answer-tokens", "24", "--top-k", "8", "--dtype", "float32", "--corpus", str(root / "code"),
+              "--code-share", "0.5", "--keep", str(tmp_path / "kept")]
+    assert main(common + ["--out", str(tmp_path / "first")]) == 0
+    kept = sorted((tmp_path / "kept").glob("shard-*.npz"))
+    assert [p.name for p in kept] == ["shard-00000.npz", "shard-00001.npz"]
+    first = torch.load(tmp_path / "first" / "shard-00001.pt", weights_only=False)
+    assert kept[1].stat().st_size < first["tokens"].numel() * 2 + 1024  # under 2 bytes a token
+    # a machine with only the kept ids: nothing is generated (a topology that cannot load would fail)
+    assert main(common + ["--out", str(tmp_path / "again"), "--topology", str(tmp_path / "missing.yaml")]) == 0
+    again = torch.load(tmp_path / "again" / "shard-00001.pt", weights_only=False)
+    assert torch.equal(again["tokens"], first["tokens"]) and again["kinds"] == first["kinds"]
+    assert again["temperature"] == first["temperature"]
+    assert torch.equal(again["topk_ids"], first["topk_ids"])
+    meta = json.loads((tmp_path / "again" / "record.json").read_text())
+    assert {s["how"] for s in meta["shards"].values()} == {"scored"}
