@@ -117,6 +117,22 @@ def test_training_resumes_to_the_step(trained, tmp_path):
     assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)
 
 
+def test_a_head_continues_from_its_checkpoint(trained, tmp_path):
+    """--init: training goes on from a saved head (its weights and its draft vocabulary), as the
+    training stream does on each stretch of work; the held-out loss starts where it was."""
+    from workers.draft_vocab import DraftVocab
+
+    root, _, _ = trained
+    args = [a for a in distill_args(root, tmp_path / "more", tmp_path / "work", "--eval-drafts", "0")
+            if a not in ("--draft-vocab", "64")]
+    assert main(args + ["--init", str(root / "head"), "--steps", "20"]) == 0
+    first, more = (json.loads((d / "training.json").read_text()) for d in (root / "head", tmp_path / "more"))
+    assert more["init"] == str(root / "head") and more["steps"] == 20
+    assert torch.equal(DraftVocab.load(tmp_path / "more").ids, DraftVocab.load(root / "head").ids)
+    assert more["held_out"]["loss"] < 1.1 * first["held_out"]["loss"]  # not a fresh start
+    assert main(args + ["--init", str(root / "head"), "--draft-vocab", "64"]) == 2  # the vocabulary goes with it
+
+
 def test_the_drafting_figures_are_the_head_workers_drafts_and_the_authoritys_greedy(trained):
     """`_head_chains` drafts what HeadWorker drafts after the hand-off of the real features, and
     `_authority_greedy` (one masked pass for every chain) gives what plain passes over each

@@ -228,9 +228,12 @@ def run(args) -> int:
             return 2
         return run_family(args)
     if args.head:
-        if not args.records or args.family or args.init or args.size or (args.out and len(args.out) > 1):
+        if not args.records or args.family or args.size or (args.out and len(args.out) > 1) \
+                or (args.init and (len(args.init) > 1 or args.draft_vocab)):
             print("cascade distill: --head trains on --records DIR (--teacher: the authority, default the "
-                  "records'); its shape is the authority's: no --size, --init or --family; one --out", file=sys.stderr)
+                  "records'); its shape is the authority's: no --size or --family; one --out; at most one "
+                  "--init (a head folder to continue: its draft vocabulary goes with it, no --draft-vocab)",
+                  file=sys.stderr)
             return 2
         from cascade.train.head import run_head
 

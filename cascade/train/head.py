@@ -474,7 +474,7 @@ def run_head(args) -> int:
     from cascade.train.trainer import log, train_students
     from workers.devices import resolve_dtype
     from workers.draft_vocab import DraftVocab
-    from workers.head import random_head
+    from workers.head import FeatureHead, random_head
 
     device = setup_torch(args)
     work_dir = Path(args.work_dir)
@@ -497,7 +497,11 @@ def run_head(args) -> int:
     config = authority.config
     vocab, covered = None, 1.0
     tokenizer = load_tokenizer(path)
-    if args.draft_vocab:
+    init = Path(args.init[0]) if args.init else None
+    if init is not None:  # continue a head: its draft vocabulary goes with its weights
+        vocab = DraftVocab.load(init)
+        covered = json.loads((init / "draft_vocab.json").read_text()).get("coverage", 1.0) if vocab else 1.0
+    elif args.draft_vocab:
         ids, covered = choose_draft_vocab(load_records(records, held_out=False), args.draft_vocab, config.vocab_size,
                                           tokenizer.all_special_ids)
         vocab = DraftVocab(ids, config.vocab_size)
@@ -506,9 +510,13 @@ def run_head(args) -> int:
                               None if vocab is None else vocab.ids, device, args.reg_weight, args.cls_weight,
                               args.feature_noise, rms)
     rows = 0 if args.head_lm_head == "authority" else (len(vocab.ids) if vocab is not None else config.vocab_size)
-    head = random_head(authority, seed=args.seed + 1, intermediate_size=args.head_ffn or config.intermediate_size,
-                       lm_head_rows=rows).float()
-    if rows:
+    if init is not None:
+        head = FeatureHead.from_pretrained(init, dtype=torch.float32, device=device).train(False)
+        rows = head.config.lm_head_rows
+    else:
+        head = random_head(authority, seed=args.seed + 1, intermediate_size=args.head_ffn or config.intermediate_size,
+                           lm_head_rows=rows).float()
+    if rows and init is None:
         with torch.no_grad():  # its own output head starts as the authority's rows
             head.lm_head.weight.copy_(objective.rows.cpu())
     params = sum(p.numel() for p in head.parameters())
@@ -558,7 +566,7 @@ def _save_head(args, head, vocab, covered, summary, metrics, drafting, ref, feat
     if vocab is not None:
         vocab.save(out, coverage=covered)
     record = {
-        "kind": "feature head (EAGLE-1)", "authority": ref, "records": str(args.records), "features": str(features),
+        "kind": "feature head (EAGLE-1)", "authority": ref, "init": str(args.init[0]) if args.init else None, "records": str(args.records), "features": str(features),
         "params": params, "ffn": head.config.intermediate_size,
         "lm_head": "own" if head.lm_head is not None else "authority",
         "draft_vocab": len(vocab.ids) if vocab is not None else None, "draft_vocab_coverage": covered,
