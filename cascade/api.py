@@ -11,7 +11,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from cascade.build import Backend, load_tokenizer, resolve_backend
 from cascade.engine import Batch, Engine, Request, RequestState
-from cascade.errors import ClosedError, RequestError, TopologyError, WorkerError
+from cascade.errors import ClosedError, RequestError, TopologyError, WorkerError, quote
 from cascade.stats import RequestStats, StepProvenance, cut_provenance
 from cascade.topology import Topology, check_heads, load_topology
 from cascade.validation import DEVICE_PATTERN, GenerationParams, check_token_ids, generation_params, normalize_prompt, normalize_prompts
@@ -426,7 +426,7 @@ def _stop_list(stop) -> list[str]:
         return []
     stops = [stop] if isinstance(stop, str) else list(stop)
     if any(not isinstance(s, str) or not s for s in stops):
-        raise RequestError(f"stop: stop strings must be non-empty strings, got {stop!r}")
+        raise RequestError(f"stop: stop strings must be non-empty strings, got {quote(stop)}")
     return stops
 
 

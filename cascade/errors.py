@@ -3,9 +3,13 @@ that every boundary validating with pydantic uses. Each message names the file, 
 parameter at fault."""
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from pydantic import ValidationError
+
+#: the most characters of an offending value an error quotes (a refused value may be megabytes)
+QUOTE_CHARS = 100
 
 
 class CascadeError(Exception):
@@ -60,7 +64,8 @@ def describe(exc: ValidationError, *, root: str = "", brackets: bool = False, un
       quoted). With ``unions``, a field that takes one of several types and matched none says so:
       "expected str or list[int]".
     - the note: ``context``, the value given (``got``: never for a missing field, whose "value" is
-      the mapping it is missing from) and, with ``more``, how many further errors pydantic found.
+      the mapping it is missing from; its first :data:`QUOTE_CHARS` characters at most:
+      :func:`quote`) and, with ``more``, how many further errors pydantic found.
       ``bare``: a missing or unknown field's message has no note.
     """
     errors = exc.errors()
@@ -71,7 +76,7 @@ def describe(exc: ValidationError, *, root: str = "", brackets: bool = False, un
         what, kind = "expected " + " or ".join(types), "union"
         value = value if len(err["loc"]) == cut + 1 else "..."  # past the type, the input is a part of the value
     elif kind == "extra_forbidden":
-        what = unknown.replace("{name}", repr(err["loc"][-1]))
+        what = unknown.replace("{name}", quote(err["loc"][-1]))
     else:
         what = err["msg"].removeprefix("Value error, ")
         if must and what.startswith("Input should be "):
@@ -80,7 +85,7 @@ def describe(exc: ValidationError, *, root: str = "", brackets: bool = False, un
     if not (bare and kind in ("missing", "extra_forbidden")):
         shown = [context] if context else []
         if got and kind != "missing":
-            shown.append(f"got {value!r}")
+            shown.append(f"got {quote(value)}")
         notes = ", ".join(shown)
         if more and len(errors) > 1:
             n = len(errors) - 1
@@ -88,6 +93,18 @@ def describe(exc: ValidationError, *, root: str = "", brackets: bool = False, un
     where = error_path(exc, root=root, brackets=brackets, unions=unions)
     line = f"{where}: {what}" if where else what
     return f"{line} ({notes})" if notes else line
+
+
+def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)``, or its first ``limit`` characters and "…" when longer: an error names
+    what it refused without echoing a megabyte back. A long string, list or mapping is cut
+    before it is repr'd (to its first ``limit + 1`` items): a flat one costs no more than its cut."""
+    if isinstance(value, (str, bytes, list, tuple)) and len(value) > limit:
+        value = value[:limit + 1]
+    elif isinstance(value, dict) and len(value) > limit:
+        value = dict(itertools.islice(value.items(), limit + 1))
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def error_path(exc: ValidationError, *, root: str = "", brackets: bool = False, unions: bool = False) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from cascade.errors import quote
 from policies.base import (
     DraftStep, EdgeOutcome, PlanContext, Policy, PolicyError, StepFeedback, StepPlan, StopRule,
     draft_step, longest_path,
@@ -103,18 +104,18 @@ def parse_policy_spec(text: str) -> tuple[str, dict[str, Any]]:
     for item in _split_top_level(params_text):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
-            raise PolicyError(f"params: expected key=value, got {item!r} in {text!r}")
+            raise PolicyError(f"params: expected key=value, got {quote(item)} in {quote(text)}")
         if key.strip() in params:
-            raise PolicyError(f"params.{key.strip()}: given twice in {text!r}")
+            raise PolicyError(f"params.{key.strip()}: given twice in {quote(text)}")
         try:
             params[key.strip()] = yaml.load(value, Loader=_NoAliasLoader)  # a SafeLoader without aliases
         except yaml.YAMLError as exc:
-            raise PolicyError(f"params.{key.strip()}: cannot parse {value!r}: {exc}") from None
+            raise PolicyError(f"params.{key.strip()}: cannot parse {quote(value)}: {exc}") from None
         except RecursionError:  # yaml composes recursively: a few KB of brackets overflow it
             raise PolicyError(f"params.{key.strip()}: cannot parse the value: nested too deeply") from None
     name = name.strip()
     if not name:
-        raise PolicyError(f"name: empty policy name in {text!r}")
+        raise PolicyError(f"name: empty policy name in {quote(text)}")
     return name, params
 
 

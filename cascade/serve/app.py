@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from cascade.errors import RequestError
+from cascade.errors import RequestError, quote
 from cascade.serve import playground
 from cascade.serve import protocol as proto
 from cascade.serve.provenance import TokenPieces, step_dicts
@@ -118,7 +118,7 @@ async def _parse(request: Request, model: type, server: Server):
     except ValidationError as exc:
         raise proto.validation_error(exc) from None
     if req.model is not None and req.model != server.model_name:
-        raise proto.ApiError(404, f"model: the model {req.model!r} does not exist; this server serves "
+        raise proto.ApiError(404, f"model: the model {quote(req.model)} does not exist; this server serves "
                                   f"{server.model_name!r}", "model", type="not_found_error")
     return req
 

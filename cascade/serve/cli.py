@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from cascade.cli import args as types
-from cascade.cli.args import MAIN_TOPOLOGY_HELP, guarded, main_topology
+from cascade.cli.args import MAIN_TOPOLOGY_HELP, guarded, topology_file
 from cascade.serve.protocol import MAX_BODY_BYTES
 from policies import REGISTRY
 
@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--allow-policy", type=_policy_class, action="append", default=[], metavar="MODULE:CLASS",
                    help="let requests name this policy class in their policy field (repeatable); requests "
                         f"may name the registered policies ({', '.join(sorted(REGISTRY))}) and these only")
+    p.add_argument("--policy-limit", type=_policy_limit, action="append", default=[], metavar="KEY=N",
+                   help="the most a request's own policy may ask, beyond which it is refused with 400 "
+                        "(repeatable): lookahead (default 32), tree_nodes (64), tree_depth (16), tree_width (8)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--backend", choices=["embedded", "ray"], default="embedded",
                    help="ray: deploy the same app on Ray Serve, the topology's serve: section giving "
@@ -62,6 +65,20 @@ def _policy_class(text: str) -> str:
     return text
 
 
+def _policy_limit(text: str) -> str:
+    """One ``KEY=N`` of --policy-limit, checked now."""
+    import argparse
+
+    from cascade.errors import RequestError
+    from cascade.serve.limits import PolicyLimits
+
+    try:
+        PolicyLimits.parse([text])
+    except RequestError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("policy-limit").lstrip(".: ")) from None
+    return text
+
+
 @guarded
 def serve(args) -> int:
     import uvicorn
@@ -69,9 +86,11 @@ def serve(args) -> int:
     from cascade.api import Cascade
     from cascade.errors import RequestError
     from cascade.serve.app import build_app
+    from cascade.serve.limits import PolicyLimits
     from cascade.serve.server import Server
 
-    args.topology = args.topology or main_topology(lambda line: print(line, file=sys.stderr))
+    args.topology = topology_file(args.topology, lambda line: print(line, file=sys.stderr))
+    args.policy_limits = PolicyLimits.parse(args.policy_limit)
     template = None
     if args.chat_template:
         try:
@@ -85,7 +104,8 @@ def serve(args) -> int:
     cascade = Cascade.from_topology(args.topology, policy=args.policy or None, device=args.device)
     try:
         server = Server(cascade, model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
-                        max_queued=args.max_queued, chat_template=template, allow_policies=args.allow_policy)
+                        max_queued=args.max_queued, chat_template=template, allow_policies=args.allow_policy,
+                        policy_limits=args.policy_limits)
     except BaseException:
         cascade.close()
         raise

@@ -16,6 +16,10 @@ deeper than :data:`MAX_DEPTH` (100k levels would otherwise exhaust the parser's 
 whose text is not valid Unicode (a lone surrogate such as ``"\\ud800"`` that no tokenizer can
 encode), each as a 400 naming the field. The body's size is bounded before it is read
 (:data:`MAX_BODY_BYTES`, 413: :mod:`cascade.serve.app`).
+
+An error quotes at most the first :data:`~cascade.errors.QUOTE_CHARS` characters of a value it
+refuses (:func:`cascade.errors.quote`, where every pydantic error is worded), and no message is
+longer than :data:`MAX_MESSAGE_CHARS`: a refused megabyte is not sent back.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from cascade.errors import describe, error_path
+from cascade.errors import QUOTE_CHARS, describe, error_path
 from cascade.sampling import Seed, Temperature, TopK, TopP
 
 # cascade's parameter names -> the request fields they come from
@@ -38,6 +42,9 @@ PARAM_NAMES = {"max_new_tokens": "max_tokens"}
 MAX_BODY_BYTES = 4 * 1024 * 1024
 #: how deeply a request body may nest (OpenAI's shapes need 4: messages[i].content[j].text)
 MAX_DEPTH = 32
+#: the longest error message sent: values are quoted short where errors are worded
+#: (:func:`cascade.errors.quote`); this bounds what any other message could echo back
+MAX_MESSAGE_CHARS = 1000
 _SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's \uXXXX escapes can write them; UTF-8 cannot
 
 
@@ -46,16 +53,21 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
                  extra: dict[str, Any] | None = None):
+        message = _cut(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else _cut(param, QUOTE_CHARS)  # a field's name can be a client's text
         self.type = type
         self.extra = extra or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status,
                           **self.extra}}
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cascade.serve.limits import PolicyLimits
+
 log = logging.getLogger(__name__)
 
 APP_NAME = "cascade"
@@ -43,6 +45,7 @@ class ReplicaOptions:
     chat_template: str | None = None  # the template's text
     allow_policies: tuple[str, ...] = ()  # module:Class policies requests may name (--allow-policy)
     max_body_bytes: int | None = None  # larger request bodies get 413 (None: the app's default)
+    policy_limits: PolicyLimits | None = None  # what a request's policy may ask (None: the defaults)
 
 
 class CascadeReplica:
@@ -59,7 +62,7 @@ class CascadeReplica:
         try:
             self.server = Server(cascade, model_name=options.model_name, max_num_seqs=options.max_num_seqs,
                                  max_queued=options.max_queued, chat_template=options.chat_template,
-                                 allow_policies=options.allow_policies)
+                                 allow_policies=options.allow_policies, policy_limits=options.policy_limits)
         except BaseException:
             cascade.close()
             raise
@@ -110,7 +113,7 @@ def serve_on_ray(args, chat_template: str | None) -> int:
     options = ReplicaOptions(str(Path(args.topology).resolve()), args.policy or None, args.device,
                              args.served_model_name or topo.spec.name, args.max_num_seqs, args.max_queued,
                              chat_template, allow_policies=tuple(args.allow_policy),
-                             max_body_bytes=args.max_body_bytes)
+                             max_body_bytes=args.max_body_bytes, policy_limits=args.policy_limits)
     address, source = ((args.address, "--address") if args.address
                        else (topo.spec.ray.address, f"{topo.source}: ray.address"))
     private = resolve_address(address, source)[0] == "local"

@@ -17,7 +17,7 @@ own (so at most one long prompt's tokenizer memory exists at a time, and short p
 queue behind them), and the memory their tokenizing freed is handed back to the system. A
 request names only the policies this server offers: the registered names, and the
 ``module:Class`` paths its operator allowed (``allow_policies``); nothing a client sends is
-imported.
+imported. What its policy may ask is bounded (:class:`~cascade.serve.limits.PolicyLimits`).
 
 A worker failure (:class:`~cascade.errors.WorkerError`) ends the requests of the failing step
 with an error that carries what they had committed; the loop goes on with the rest. Any other
@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator, Sequence
 from cascade.api import Cascade, Generation, TextStream
 from cascade.engine import RequestState
 from cascade.errors import RequestError, WorkerError
+from cascade.serve.limits import PolicyLimits
 from cascade.serve.metrics import Metrics, RecordingPolicy
 from cascade.stats import StepProvenance
 from policies import REGISTRY, Policy, PolicyError, parse_policy_spec, resolve
@@ -131,17 +132,19 @@ class Server:
 
     ``policy`` overrides the topology's for the served batch. ``allow_policies``: the
     ``"module:Class"`` policies requests may name besides the registered ones (imported here,
-    once: the operator is trusted, a request is not). Call :meth:`start` before submitting and
-    :meth:`close` at the end (it also closes the cascade).
+    once: the operator is trusted, a request is not). ``policy_limits``: what a request's policy
+    may ask (:class:`~cascade.serve.limits.PolicyLimits`; default: its defaults). Call
+    :meth:`start` before submitting and :meth:`close` at the end (it also closes the cascade).
     """
 
     def __init__(self, cascade: Cascade, *, model_name: str | None = None, max_num_seqs: int = 16,
                  max_queued: int = 64, chat_template: str | None = None, policy: Policy | None = None,
-                 allow_policies: Sequence[str] = ()):
+                 allow_policies: Sequence[str] = (), policy_limits: PolicyLimits | None = None):
         if max_num_seqs < 1 or max_queued < 0:
             raise RequestError(f"max_num_seqs: need max_num_seqs >= 1 and max_queued >= 0, "
                                f"got {max_num_seqs}, {max_queued}")
         self.allowed_policies = _offered_policies(allow_policies)
+        self.policy_limits = policy_limits or PolicyLimits()
         self.cascade = cascade
         topo = cascade.topology
         self.model_name = model_name or topo.spec.name or topo.source.rsplit("/", 1)[-1].rsplit(".", 1)[0]
@@ -217,9 +220,9 @@ class Server:
 
     def _check_policy(self, spec: str) -> None:
         """A request's policy spec names a policy this server offers (before anything builds it:
-        building a ``module:Class`` would import the module)."""
+        building a ``module:Class`` would import the module), within :attr:`policy_limits`."""
         try:
-            name, _ = parse_policy_spec(spec)
+            name, params = parse_policy_spec(spec)
         except PolicyError as exc:
             raise RequestError(f"policy: {exc}") from None
         if name not in self.allowed_policies:
@@ -227,6 +230,13 @@ class Server:
                                                 and p not in REGISTRY.values())
             raise RequestError(f"policy: name: {name!r} is not a policy this server offers; it offers {offered} "
                                "(its operator can allow another with cascade serve --allow-policy module:Class)")
+        cls = resolve(name)  # offered: imported already, at start
+        if cls.Params is not None:
+            try:
+                params = cls.check_params(params)  # the values it would run with, defaults included
+            except PolicyError:
+                return  # building it says what is wrong, as for any caller
+        self.policy_limits.check(params)
 
     def _shared_policy(self, spec: str, fresh: Policy) -> RecordingPolicy:
         """The policy of requests naming ``spec``: ``fresh`` (just built and bound from it) for

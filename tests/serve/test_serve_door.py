@@ -2,6 +2,8 @@
 over the limit is refused with 413 before it is read; a multi-MB prompt delays no other request
 (it is tokenized outside the lock the engine steps under) and leaves no memory behind once
 refused; a request names only the policies the server offers, and nothing it names is imported;
+what its policy may ask (lookahead, tree size) is bounded (issue 56), refused naming the field
+beyond the limit, never clamped; an error quotes at most a short prefix of a refused value;
 deep nesting and text that is not valid Unicode are 400s naming the field; an OpenAI tool
 message (with its ``tool_call_id``) is accepted."""
 from __future__ import annotations
@@ -19,7 +21,7 @@ import openai
 import pytest
 
 from cascade import Cascade, RequestError
-from cascade.serve.protocol import MAX_BODY_BYTES
+from cascade.serve.protocol import MAX_BODY_BYTES, MAX_MESSAGE_CHARS, ApiError
 from cascade.serve.server import Server
 from conftest import TEXT, family_topology, write_topology
 from serve_util import ROOT, serve
@@ -33,7 +35,8 @@ def server(family, tmp_path_factory):
     topology = write_topology(tmp_path_factory.mktemp("door") / "door.yaml", family_topology(
         family, ["tiny", "large"], name="door", policy={"name": "fixed", "params": {"lookahead": 3}}))
     with serve(topology, "--max-num-seqs", "4", "--chat-template", str(TEMPLATE),
-               "--allow-policy", "door_policy:DoorPolicy", log_dir=tmp_path_factory.mktemp("door-log")) as served:
+               "--allow-policy", "door_policy:DoorPolicy", "--policy-limit", "tree_width=4",
+               log_dir=tmp_path_factory.mktemp("door-log")) as served:
         yield served
 
 
@@ -202,6 +205,76 @@ def test_a_request_names_only_the_policies_the_server_offers(server, client):
     assert "door_untrusted imported" not in log and "Beautiful is better than ugly" not in log
 
 
+# -- what a request's policy may ask: bounded, refused naming the field, never clamped ----------------
+
+BEYOND = [  # (spec, the field named, the limit the message quotes); the fixture sets tree_width=4
+    ("fixed:lookahead=100000", "policy.lookahead", 32),
+    ("fixed:lookahead={tiny: 33}", "policy.lookahead.tiny", 32),
+    ("confidence:lookahead=33", "policy.lookahead", 32),
+    ("auto:max_lookahead=64", "policy.max_lookahead", 32),
+    ("door_policy:DoorPolicy:lookahead=33", "policy.lookahead", 32),  # an allowed plug-in's too
+    ("fixed:tree={tiny: [5]}", "policy.tree.tiny", 4),  # wider than the fixture's --policy-limit
+    ("fixed:tree={tiny: [4, 4, 4]}", "policy.tree.tiny", 64),  # 84 nodes
+    ("auto:trees=[[2, 2], [" + ", ".join(["1"] * 17) + "]]", "policy.trees.1", 16),  # 17 deep
+]
+
+
+@pytest.mark.parametrize("spec,param,limit", BEYOND, ids=[b[0][:40] for b in BEYOND])
+def test_a_policy_beyond_the_servers_limits_is_refused_naming_the_field(client, spec, param, limit):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="door", prompt="x", max_tokens=2, extra_body={"policy": spec})
+    error = info.value.body
+    assert error["param"] == param and error["message"].startswith(param + ":"), error
+    assert f"over this server's limit of {limit}" in error["message"] and "--policy-limit" in error["message"]
+
+
+def test_a_policy_at_the_limits_is_served_as_asked(server, client):
+    # a block of 32 (auto's own default longest block), and a tree as wide as the operator allows
+    for spec in ("fixed:lookahead=32", "auto", "fixed:tree={tiny: [4, 2]}"):
+        r = client.completions.create(model="door", prompt="x", max_tokens=2, extra_body={"policy": spec})
+        assert r.usage.completion_tokens == 2, spec
+    # the chat route is the same door
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="door", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={"policy": "fixed:lookahead=33"})
+    assert info.value.body["param"] == "policy.lookahead"
+
+
+@pytest.mark.parametrize("value", ["x=1", "lookahead=0", "lookahead", "tree_nodes=a"])
+def test_a_bad_policy_limit_is_refused_before_anything_loads(tmp_path, capsys, value):
+    from cascade.cli import main
+
+    assert main(["serve", "--policy-limit", value, "-t", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --policy-limit" in err, err
+
+
+# -- a refused value is quoted short --------------------------------------------------------------------
+
+HUGE = 3_000_000  # characters: under the body limit
+
+
+@pytest.mark.parametrize("body,param,status", [
+    ({"logit_bias": {str(i): 1.0 for i in range(240_000)}}, "logit_bias", 400),  # ~3.6 MB of JSON
+    ({"stop": ["s" * HUGE, ""]}, "stop", 400),  # refused by cascade itself, not by pydantic
+    ({"user": ["u" * HUGE]}, "user", 400),
+    ({"policy": "fixed:lookahead=3," + "x" * HUGE}, "policy", 400),
+    ({"model": "m" * HUGE}, "model", 404),
+], ids=["logit_bias", "stop", "user", "policy", "model"])
+def test_an_error_quotes_a_short_prefix_of_the_value(server, body, param, status):
+    r = server.post("/v1/completions", {"prompt": "x", "max_tokens": 2, **body})
+    assert r.status_code == status, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param + ":"), error["message"][:300]
+    assert len(error["message"]) < 400 and "…" in error["message"], error["message"][:300]
+
+
+def test_no_error_message_is_long():
+    # the last line of defence, whatever a message quotes
+    error = ApiError(400, "x: " + "y" * HUGE, "z" * HUGE).body()["error"]
+    assert len(error["message"]) <= MAX_MESSAGE_CHARS + 1 and len(error["param"]) <= 101
+
+
 # -- malformed bodies: 400 naming the field ------------------------------------------------------------
 
 DEEP = 100_000
@@ -213,6 +286,8 @@ MALFORMED = [  # (path, raw body, the field named)
     ("/v1/completions", r'{"prompt": "x", "stop": ["ok", "\udfff"]}', "stop.1"),
     ("/v1/completions", r'{"prompt": "x", "\ud800": 1}', "\\ud800"),
     ("/v1/completions", '{"prompt": "x", "policy": "fixed:lookahead=' + "[" * 50_000 + '"}', "policy"),
+    ("/v1/completions", '{"prompt": "x", "seed": 9223372036854775808}', "seed"),  # seeds lie in [0, 2^63)
+    ("/v1/completions", '{"prompt": "x", "seed": -1}', "seed"),
     ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "def f(\ud800):"}]}',
      "messages.0.content"),
     ("/v1/chat/completions",
@@ -223,7 +298,7 @@ MALFORMED = [  # (path, raw body, the field named)
 
 @pytest.mark.parametrize("path,body,param", MALFORMED, ids=[
     "deep-prompt", "deep-unknown-field", "deep-known-field", "surrogate-prompt", "surrogate-stop",
-    "surrogate-key", "deep-policy", "surrogate-chat", "surrogate-chat-part"])
+    "surrogate-key", "deep-policy", "seed-2^63", "seed-negative", "surrogate-chat", "surrogate-chat-part"])
 def test_a_malformed_body_is_a_400_naming_the_field(server, path, body, param):
     r = server.post(path, body)
     assert r.status_code == 400, r.text
