@@ -113,8 +113,10 @@ def run_ab(
     progress: bool = True,
     top_k: int = 0,
     top_p: float = 1.0,
+    backend: str | None = None,
 ) -> tuple[Summary, list[Run]]:
-    """Run the experiment; write ``ab.json``, ``summary.md`` and plots to ``out`` if given."""
+    """Run the experiment; write ``ab.json``, ``summary.md`` and plots to ``out`` if given.
+    ``backend``: where the levels run ("local" or "ray"; None: the topology's)."""
     from tqdm import tqdm
 
     from cascade.api import Cascade
@@ -122,7 +124,7 @@ def run_ab(
 
     arms = {"A": from_spec(a), "B": from_spec(b)}
     runs: list[Run] = []
-    with Cascade.from_topology(topology) as c:
+    with Cascade.from_topology(topology, backend=backend) as c:
         for prompt in prompts[:warmup]:  # allocation, lazy init, and first estimates for adaptive arms
             for policy in arms.values():
                 c.generate(prompt, max_new_tokens=min(32, max_new_tokens), temperature=temperature,
@@ -318,6 +320,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=types.positive_int, default=3)
     types.add_sampling_args(p, what="both arms")
     p.add_argument("--warmup", type=types.nonnegative_int, default=2, help="prompts run once per arm before measuring")
+    p.add_argument("--backend", choices=("local", "ray"), default=None,
+                   help="where the levels run (default: the topology's backend)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_main)
@@ -331,7 +335,7 @@ def _main(args) -> int:
     t0 = time.perf_counter()
     s, _ = run_ab(args.topology, args.a, args.b, prompts, args.max_new_tokens, args.repeats, args.out,
                   args.temperature, args.seed, args.warmup, progress=not args.no_progress, top_k=args.top_k,
-                  top_p=args.top_p)
+                  top_p=args.top_p, backend=args.backend)
     print((Path(args.out) / "summary.md").read_text())
     print(f"({time.perf_counter() - t0:.0f} s; report in {args.out})")
     if s.exactness_failures:

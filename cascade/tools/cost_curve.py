@@ -35,6 +35,8 @@ def add_parser(sub) -> None:
                    help="sequences in each pass, each scoring the width (default 1)")
     p.add_argument("--repeats", type=types.positive_int, default=7)
     p.add_argument("--threads", type=types.positive_int, default=DEFAULT_THREADS)
+    p.add_argument("--backend", choices=("local", "ray"), default=None,
+                   help="where the levels run (default: the topology's backend)")
     p.add_argument("--json", default=None, help="also write the figures here")
     p.set_defaults(func=run)
 
@@ -47,7 +49,7 @@ def run(args) -> int:
     if not widths or min(widths) < 1:
         print("cascade cost-curve: --positions must be integers >= 1", file=sys.stderr)
         return 2
-    with torch_threads(args.threads) as threads, Cascade.from_topology(args.topology) as c:
+    with torch_threads(args.threads) as threads, Cascade.from_topology(args.topology, backend=args.backend) as c:
         scoring = [lv.name for lv in c.topology.spec.levels if c.workers[lv.name].can_score]
         levels = args.levels or scoring
         wrong = [level for level in levels if level not in scoring]

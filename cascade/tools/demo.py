@@ -63,6 +63,8 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=types.positive_int, default=DEFAULT_THREADS,
                    help=f"torch's intra-op threads (default {DEFAULT_THREADS}: steady timings on a shared machine)")
     p.add_argument("--policy", type=types.policy_spec, default=None, help="NAME[:key=value,...] (default: the topology's)")
+    p.add_argument("--backend", choices=("local", "ray"), default=None,
+                   help="where the levels run (default: the topology's backend)")
     types.add_sampling_args(p, default_temperature=0.8, default_top_p=0.95,
                             what="the sampled runs (0 = show greedy decoding only)")
     p.add_argument("--quiet", action="store_true", help="print only the tables")
@@ -122,7 +124,8 @@ def run(args) -> int:
             setattr(args, name, real_model if real else bundled)
     prompts = load_prompts(args.prompts, args.num_prompts)
     sampled = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    with torch_threads(args.threads) as threads, Cascade.from_topology(args.topology, policy=args.policy or None) as c:
+    with torch_threads(args.threads) as threads, Cascade.from_topology(args.topology, policy=args.policy or None,
+                                                                             backend=args.backend) as c:
         model = getattr(c.workers[c.topology.authority], "model", None)
         if model is None:
             print("error: demo needs a transformers authority to compare against", file=sys.stderr)
