@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cascade.errors import describe, error_path
+from cascade.errors import QUOTE_CHARS, describe, error_path, quote
 
 
 class Inner(BaseModel):
@@ -53,3 +53,15 @@ def test_a_union_names_the_types_it_takes():
     assert describe(exc, unions=True) == "prompt: expected str or list[int] (got [1, 'a'])"
     assert error_path(exc, unions=True) == "prompt"
     assert error_path(exc) == "prompt.str"  # without unions, pydantic's own path
+
+
+def test_a_huge_value_is_quoted_by_a_short_prefix():
+    # a refused megabyte is not echoed back (issue 56): its first QUOTE_CHARS characters, then "…"
+    assert quote("x" * 10) == "'xxxxxxxxxx'"  # a short value whole
+    for value in ("x" * 3_000_000, list(range(1_000_000)), {str(i): 1.0 for i in range(300_000)}):
+        text = quote(value)
+        assert len(text) == QUOTE_CHARS + 1 and text.endswith("…") and repr(value).startswith(text[:-1])
+    message = describe(error(items="i" * 3_000_000))
+    assert message.startswith("items: Input should be a valid list (got 'iii") and len(message) < 200, message[:300]
+    message = describe(error(**{"k" * 1_000_000: 1}), unknown="unknown field {name}")
+    assert "unknown field '" + "k" * (QUOTE_CHARS - 1) + "… (got 1)" in message  # the name it quotes, cut
