@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from cascade import Cascade
 from cascade.cli import main
@@ -64,3 +65,53 @@ def test_a_policy_spec_error_says_what_a_spec_is(capsys):
     assert "argument --policy: " in err and "(got 'fixed:3')" in err
     assert "a spec is NAME[:key=value,...]" in err and "fixed:lookahead={tiny: 3}" in err
     assert f"({', '.join(sorted(REGISTRY))})" in err
+
+
+# -- the topology a command runs when it is run outside the checkout (issue 56) ----------------------
+
+def _pulled(tmp_path, monkeypatch, pulled: bool) -> None:
+    """A model cache of its own, holding the real model's manifest (as ``cascade pull`` leaves it) or not."""
+    from cascade.cli.args import REAL_MODEL
+    from cascade.pull import MANIFEST
+
+    monkeypatch.setenv("CASCADE_CACHE", str(tmp_path / "cache"))
+    if pulled:
+        folder = tmp_path / "cache" / "models" / REAL_MODEL
+        folder.mkdir(parents=True)
+        (folder / MANIFEST).write_text("{}")
+
+
+def test_outside_the_checkout_the_bundled_topologies_are_found(tmp_path, monkeypatch):
+    from cascade.cli.args import DEFAULT_TOPOLOGY, REAL_TOPOLOGY, main_topology
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    said = []
+    _pulled(tmp_path, monkeypatch, pulled=True)  # the model is pulled: the real topology, nothing said
+    assert main_topology(said.append) == str(root / REAL_TOPOLOGY) and said == []
+    _pulled(tmp_path / "other", monkeypatch, pulled=False)  # not pulled: the family, and how to pull it
+    assert main_topology(said.append) == str(root / DEFAULT_TOPOLOGY)
+    assert "cascade pull" in said[0]
+
+
+def test_a_missing_topology_file_is_named_with_where_the_bundled_ones_live(tmp_path, monkeypatch, capsys):
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    _pulled(tmp_path, monkeypatch, pulled=True)
+    assert main(["generate", "-t", "topologies/smollm2.yaml", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: topologies/smollm2.yaml: topology file not found")
+    assert f"relative to {tmp_path}" in err and str(root / "topologies") in err
+    assert "cascade pull" not in err  # the model is there: pulling it again would not help
+
+
+def test_no_bundled_topologies_at_all_is_named_not_blamed_on_the_model(tmp_path, monkeypatch, capsys):
+    import cascade.cli.args as cli_args
+
+    monkeypatch.chdir(tmp_path)
+    _pulled(tmp_path, monkeypatch, pulled=True)
+    monkeypatch.setattr(cli_args, "bundled_topologies", lambda: None)  # as from an installed wheel
+    assert main(["generate", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: topologies/4level.yaml: topology file not found") and "--topology" in err, err
+    assert "cascade pull" not in err

@@ -26,20 +26,63 @@ MAIN_TOPOLOGY_HELP = (f"topology file (default: {REAL_TOPOLOGY} when its model i
                       f"cascade pull {REAL_MODEL} - else {DEFAULT_TOPOLOGY})")
 
 
+def bundled_topologies() -> Path | None:
+    """Where the bundled topologies live: ``topologies/`` in the working directory (a command run
+    in the checkout), else beside the installed package (an editable install's checkout, run
+    from anywhere); None where neither holds them (an installed wheel ships none)."""
+    name = Path(DEFAULT_TOPOLOGY).name
+    for folder in (Path(DEFAULT_TOPOLOGY).parent, Path(__file__).resolve().parents[2] / "topologies"):
+        if (folder / name).is_file():
+            return folder
+    return None
+
+
 def main_topology(say: Callable[[str], None] | None = None) -> str:
     """The topology the main commands (``demo``, ``serve``, ``run``) use when none is named: the
     real model's once ``cascade pull`` has put it in the cache (and the repository's drafters are
-    beside the topology), else the bundled family's, saying how to get the real one."""
+    beside the topology), else the bundled family's, saying how to get the real one (and, when
+    the model is pulled already, what else is missing). A TopologyError naming where they were
+    looked for when the bundled topologies are not there at all."""
+    from cascade.errors import TopologyError
     from cascade.pull import MANIFEST, cache_dir
 
-    real = Path(REAL_TOPOLOGY)
-    if real.is_file() and (cache_dir(REAL_MODEL) / MANIFEST).is_file() and \
-            (real.parent / "../examples/models/smollm2/draft-s/config.json").is_file():
-        return REAL_TOPOLOGY
+    folder = bundled_topologies()
+    if folder is None:
+        raise TopologyError(
+            f"{DEFAULT_TOPOLOGY}: topology file not found, neither in {Path.cwd()} nor in "
+            f"{Path(__file__).resolve().parents[2]} (the bundled topologies live in the cascade checkout's "
+            "topologies/); run from the checkout or name a topology file with --topology")
+    real, default = folder / Path(REAL_TOPOLOGY).name, str(folder / Path(DEFAULT_TOPOLOGY).name)
+    drafter = folder / "../examples/models/smollm2/draft-s/config.json"
+    pulled = (cache_dir(REAL_MODEL) / MANIFEST).is_file()
+    if real.is_file() and pulled and drafter.is_file():
+        return str(real)
     if say is not None:
-        say(f"using the bundled family ({DEFAULT_TOPOLOGY}): tiny models whose text is noise. For the real "
-            f"model, SmolLM2-135M-Instruct with its drafters: cascade pull {REAL_MODEL}")
-    return DEFAULT_TOPOLOGY
+        if pulled:  # the model is there: say what is not, not to pull it again
+            missing = real if not real.is_file() else drafter.resolve().parent
+            say(f"using the bundled family ({default}): tiny models whose text is noise. The real model is "
+                f"pulled, but {missing} is missing")
+        else:
+            say(f"using the bundled family ({default}): tiny models whose text is noise. For the real "
+                f"model, SmolLM2-135M-Instruct with its drafters: cascade pull {REAL_MODEL}")
+    return default
+
+
+def topology_file(path: str | None, say: Callable[[str], None] | None = None) -> str:
+    """The topology a command runs: ``path`` (``--topology``), checked to exist, or
+    :func:`main_topology` when none is named. A missing file is a TopologyError that names it,
+    where a relative one was looked for, and where the bundled topologies live."""
+    from cascade.errors import TopologyError
+
+    if path is None:
+        return main_topology(say)
+    if not Path(path).exists():
+        where = f" (relative to {Path.cwd()})" if not Path(path).is_absolute() else ""
+        folder = bundled_topologies()
+        bundled = (f"the bundled topologies are in {folder.resolve()}" if folder is not None else
+                   "the bundled topologies live in the cascade checkout's topologies/, not found here")
+        raise TopologyError(f"{path}: topology file not found{where}; {bundled}")
+    return path
 
 
 class Parser(argparse.ArgumentParser):

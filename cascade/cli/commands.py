@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from cascade.cli.args import add_generation_args, guarded, main_topology
+from cascade.cli.args import add_generation_args, guarded, topology_file
 
 
 def add_parser(sub) -> None:
@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 def load_cascade(args):
     from cascade.api import Cascade
 
-    args.topology = args.topology or main_topology(lambda line: print(line, file=sys.stderr))
+    args.topology = topology_file(args.topology, lambda line: print(line, file=sys.stderr))
     # a spec string: parsed by policies.from_spec and checked against the graph before models load
     return Cascade.from_topology(args.topology, policy=args.policy or None, device=args.device)
 
