@@ -135,9 +135,9 @@ def test_a_head_continues_from_its_checkpoint(trained, tmp_path):
 
 def test_the_drafting_figures_are_the_head_workers_drafts_and_the_authoritys_greedy(trained):
     """`_head_chains` drafts what HeadWorker drafts after the hand-off of the real features, and
-    `_authority_greedy` (one masked pass for every chain) gives what plain passes over each
+    `_authority_logits` (one masked pass for every chain) gives what plain passes over each
     prefix give."""
-    from cascade.train.head import HeadObjective, _authority_greedy, _head_chains, load_head_data
+    from cascade.train.head import HeadObjective, _authority_logits, _head_chains, load_head_data
     from workers.draft_vocab import DraftVocab
     from workers.head import FeatureHead, HeadWorker
 
@@ -152,8 +152,9 @@ def test_the_drafting_figures_are_the_head_workers_drafts_and_the_authoritys_gre
     tokens, feats = held.tokens[start:start + length], held.features[start:start + length].float()
     chosen = torch.tensor([0, 3, length // 2, length - 2])
     with torch.no_grad():
-        drafts = _head_chains(head, objective, tokens, feats, chosen, depth=3)
-        greedy = _authority_greedy(model.model, objective, tokens, chosen, drafts, model)
+        drafts, drafted = _head_chains(head, objective, tokens, feats, chosen, depth=3)
+        assert torch.equal(drafted, torch.ones_like(drafted))  # greedy: drafted with certainty
+        greedy = _authority_logits(model.model, objective, tokens, chosen, drafts, model).argmax(-1)
     worker = HeadWorker(head, model.get_input_embeddings(), model.get_output_embeddings(), draft_vocab=vocab)
     for i, p in enumerate(chosen.tolist()):
         seq, prefix = f"s{i}", tokens[:p + 1].tolist()
@@ -167,6 +168,48 @@ def test_the_drafting_figures_are_the_head_workers_drafts_and_the_authoritys_gre
             for j in range(3):
                 logits = model(torch.tensor([prefix + chain[:j]])).logits[0, -1]
                 assert int(greedy[i, j]) == int(logits.argmax())
+
+
+def test_sampled_acceptance_estimates_the_overlap_of_draft_and_target(trained):
+    """At T > 0 a drafted token counts min(1, target/draft): its mean over the head's own draws is
+    the chance the engine's rule accepts, sum_x min(target(x), draft(x)) (checked at position 1)."""
+    from cascade.train.head import HeadObjective, _authority_logits, _head_chains, load_head_data
+    from workers.draft_vocab import DraftVocab
+    from workers.head import FeatureHead
+
+    root, authority, _ = trained
+    model = load_authority(authority)
+    head = FeatureHead.from_pretrained(root / "head")
+    vocab = DraftVocab.load(root / "head")
+    objective = HeadObjective(model.get_input_embeddings().weight, model.get_output_embeddings().weight, vocab.ids,
+                              torch.device("cpu"))
+    held = load_head_data(root / "rec", root / "rec" / "features", held_out=True)
+    start, length = next(held.conversations())
+    tokens, feats = held.tokens[start:start + length], held.features[start:start + length].float()
+    chosen, t = torch.tensor([2, length // 2]), 0.8
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        target = torch.softmax(_authority_logits(model.model, objective, tokens, chosen,
+                                                 torch.zeros(2, 1, dtype=torch.long), model)[:, 0] / t, -1)
+        estimates = []
+        for _ in range(400):
+            drafts, drafted = _head_chains(head, objective, tokens, feats, chosen, 1, t, g)
+            estimates.append((target.gather(-1, drafts)[:, 0] / drafted[:, 0]).clamp(max=1))
+        row = objective.student_logits(head, head_outputs(head, objective, tokens, feats)[chosen]).float()
+        draft = torch.zeros_like(target)
+        draft[:, objective.to_authority(torch.arange(row.shape[-1]))] = torch.softmax(row / t, -1)
+    exact = torch.minimum(target, draft).sum(-1)
+    torch.testing.assert_close(torch.stack(estimates).mean(0), exact, atol=0.05, rtol=0)
+
+
+def head_outputs(head, objective, tokens, feats):
+    import torch.nn.functional as F
+
+    from workers.head import shifted
+
+    n = tokens.numel()
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    return head(shifted(feats[None]), F.embedding(tokens, objective.embed)[None], torch.arange(n)[None], causal)[0]
 
 
 def test_a_distilled_head_under_its_authority_is_exact_greedy(trained, tmp_path):

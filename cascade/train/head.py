@@ -358,14 +358,20 @@ def generation_prompt(tokenizer) -> list[int] | None:
 @torch.no_grad()
 def draft_acceptance(head, objective: HeadObjective, authority, data: HeadData, starts: int = 256,
                      depth: int = 3, per_conversation: int = 16, seed: int = 0,
-                     answers: list[int | None] | None = None) -> dict:
-    """Greedy acceptance by draft position, measured by drafting: at up to ``starts`` positions
+                     answers: list[int | None] | None = None, temperature: float = 0.0) -> dict:
+    """Acceptance by draft position, measured by drafting: at up to ``starts`` positions
     ``p`` of held-out conversations (up to ``per_conversation`` each), the head drafts ``depth``
     tokens after ``x_0..x_p`` as it does in the engine (real features up to ``p - 1``, then its
     own predicted ones), and the authority's greedy tokens after the same prefixes, with each
     drafted token appended, are computed in one pass per conversation (a 4D mask over the
     conversation and every chain). ``accepted_at[k-1]``: share of starts whose first ``k``
     drafts are all the authority's greedy tokens.
+
+    With ``temperature > 0`` the head samples its chains (softmax at that temperature over its
+    vocabulary, no top-k/top-p) and a drafted token ``x`` is accepted with probability
+    ``min(1, target(x) / draft(x))``, both at that temperature, as the engine's rule does:
+    ``accepted_at[k-1]`` is the mean over starts of the product of those probabilities up to
+    ``k`` (an unbiased estimate of the chance that the first ``k`` are accepted).
 
     ``answers`` (:func:`answer_starts`) restricts the starts to drafting the answers, as the
     engine does: the system prompt and the user's turn are far easier to draft than an answer,
@@ -390,23 +396,31 @@ def draft_acceptance(head, objective: HeadObjective, authority, data: HeadData, 
         chosen = (lo + torch.randperm(length - 1 - lo, generator=g)[:k]).sort().values.to(device)
         tokens = data.tokens[start:start + length].to(device)
         feats = data.features[start:start + length].to(device, torch.float32)
-        drafts = _head_chains(head, objective, tokens, feats, chosen, depth)
-        greedy = _authority_greedy(body, objective, tokens, chosen, drafts, authority)
-        accepted.append((drafts == greedy).long().cumprod(-1))  # [k, depth]: all drafts up to here accepted
+        drafts, drafted = _head_chains(head, objective, tokens, feats, chosen, depth, temperature, g)
+        logits = _authority_logits(body, objective, tokens, chosen, drafts, authority)  # [k, depth, vocab]
+        if temperature > 0:
+            target = torch.softmax(logits / temperature, -1).gather(-1, drafts[..., None])[..., 0]
+            accept = (target / drafted).clamp(max=1.0)
+        else:
+            accept = (drafts == logits.argmax(-1)).float()
+        accepted.append(accept.cumprod(-1))  # [k, depth]: all drafts up to here accepted
         taken += k
     if not accepted:
         return {"starts": 0}
     acc = torch.cat(accepted).float()
     at = acc.mean(0).tolist()
     return {"starts": acc.shape[0], "depth": depth, "positions": "all" if answers is None else "answers",
+            "temperature": temperature,
             "accepted_at": at,
             "conditional": [at[0]] + [at[i] / at[i - 1] if at[i - 1] > 0 else 0.0 for i in range(1, depth)],
             "mean_accepted": float(acc.sum(-1).mean()),
             "tokens_per_authority_pass": 1.0 + float(acc.sum(-1).mean())}
 
 
-def _head_chains(head, objective: HeadObjective, tokens, feats, chosen, depth: int) -> torch.Tensor:
-    """The head's greedy drafts ``[k, depth]`` (authority ids) after each chosen position."""
+def _head_chains(head, objective: HeadObjective, tokens, feats, chosen, depth: int, temperature: float = 0.0,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's drafts ``[k, depth]`` (authority ids) after each chosen position, greedy or
+    sampled at ``temperature``, and the probability each was drafted with ``[k, depth]`` (1 greedy)."""
     from workers.head import shifted
 
     length, k = tokens.numel(), chosen.numel()
@@ -418,7 +432,17 @@ def _head_chains(head, objective: HeadObjective, tokens, feats, chosen, depth: i
                torch.arange(length, device=dev)[None], causal, cache)[0]
     keys, values = cache.new
     pred = out[chosen]
-    drafts = [objective.to_authority(objective.student_logits(head, pred).argmax(-1))]
+
+    def pick(pred):
+        logits = objective.student_logits(head, pred).float()
+        if temperature <= 0:
+            return objective.to_authority(logits.argmax(-1)), torch.ones(logits.shape[0], device=dev)
+        probs = torch.softmax(logits / temperature, -1)
+        chosen_ids = torch.multinomial(probs.cpu(), 1, generator=generator).to(dev)
+        return objective.to_authority(chosen_ids[:, 0]), probs.gather(-1, chosen_ids)[:, 0]
+
+    token, prob = pick(pred)
+    drafts, drafted = [token], [prob]
     columns = torch.arange(length, device=dev)
     for d in range(1, depth):
         # each chain's entry: its previous predicted feature and draft, at p + d; it sees the
@@ -431,12 +455,14 @@ def _head_chains(head, objective: HeadObjective, tokens, feats, chosen, depth: i
                     (chosen + d)[None], mask, cache)[0]
         keys = torch.cat([keys, cache.new[0]], dim=2)
         values = torch.cat([values, cache.new[1]], dim=2)
-        drafts.append(objective.to_authority(objective.student_logits(head, pred).argmax(-1)))
-    return torch.stack(drafts, dim=1)
+        token, prob = pick(pred)
+        drafts.append(token)
+        drafted.append(prob)
+    return torch.stack(drafts, dim=1), torch.stack(drafted, dim=1)
 
 
-def _authority_greedy(body, objective: HeadObjective, tokens, chosen, drafts, authority) -> torch.Tensor:
-    """The authority's greedy token ``[k, depth]`` after each chain's prefix: the conversation up
+def _authority_logits(body, objective: HeadObjective, tokens, chosen, drafts, authority) -> torch.Tensor:
+    """The authority's logits ``[k, depth, vocab]`` after each chain's prefix: the conversation up
     to ``p``, then the chain's first ``j`` drafts (``j`` = 0 .. depth - 1), in one pass."""
     length, k, depth = tokens.numel(), chosen.numel(), drafts.shape[1]
     dev = tokens.device
@@ -456,8 +482,8 @@ def _authority_greedy(body, objective: HeadObjective, tokens, chosen, drafts, au
     hidden = body(input_ids=ids[None], attention_mask=_model_mask(authority, mask[None, None]),
                   position_ids=positions[None]).last_hidden_state[0]
     rows = torch.cat([chosen, length + torch.arange((depth - 1) * k, device=dev)])
-    greedy = (hidden[rows].float() @ objective.full.T).argmax(-1)
-    return greedy.reshape(depth, k).T
+    logits = hidden[rows].float() @ objective.full.T
+    return logits.reshape(depth, k, -1).transpose(0, 1)
 
 
 # --------------------------------------------------------------------------- the command
