@@ -140,12 +140,13 @@ class HeadData:
         return float(self.features[::step].float().pow(2).mean().sqrt())
 
 
-def load_head_data(records: Path, features: Path, held_out: bool) -> HeadData:
-    """The training (or held-out) record shards with their cached features."""
+def load_head_data(records: Path, features: Path, held_out: bool, held_out_every: int = 20) -> HeadData:
+    """The training (or held-out) record shards with their cached features (every
+    ``held_out_every``-th shard is held out: 1 for a folder of held-out shards alone)."""
     from cascade.train.records import record_shards
 
     tokens, feats, lengths = [], [], []
-    for path in record_shards(records, held_out):
+    for path in record_shards(records, held_out, held_out_every):
         cached = features / path.name
         if not cached.is_file():
             raise SystemExit(f"cascade distill --head: no cached features for {path.name} in {features}")
