@@ -3,6 +3,13 @@
 
     python examples/models/smollm2/eval_heldout.py examples/models/smollm2/draft-s other/draft-s
     python examples/models/smollm2/eval_heldout.py --head examples/models/smollm2/head other/head
+    python examples/models/smollm2/eval_heldout.py --head --fixed examples/models/smollm2/head
+
+--fixed scores on the repository's own held-out conversations (``heldout/``: token ids that
+`cascade record --keep` wrote with a seed no training run uses), rebuilt under the work folder
+(scored by the authority, features computed) on first use: the same set for every checkpoint,
+on any machine. Heads are then also drafted at T = 0.8 (sampled chains, each drafted token counted
+``min(1, target/draft)``) beside greedy.
 
 Drafters: held-out KL to the recorded top-16, top-1 agreement, expected acceptance of one drafted
 token at T = 1 (cascade.train.records.evaluate). Heads (--head): the same on the cached features,
@@ -40,7 +47,30 @@ def drafters(folders: list[str], records: Path) -> None:
         print(folder, rounded(evaluate(model, sampler)), flush=True)
 
 
-def heads(folders: list[str], records: Path, authority: str) -> None:
+HELDOUT = Path(__file__).parent / "heldout"
+
+
+def fixed_heldout(work: Path, authority: str) -> Path:
+    """The repository's held-out conversations as record shards (top-k and features), under ``work``."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from cascade.cli import main as cascade
+    from cascade.pull import PULLED, resolve_pulled
+    from cascade.train.head import cache_features
+    from workers.devices import resolve_dtype
+
+    kept = sorted(HELDOUT.glob("shard-*.npz"))
+    batch = len(np.load(kept[0])["lengths"])
+    assert cascade(["record", "--model", authority, "--out", str(work), "--keep", str(HELDOUT),
+                    "--sequences", str(batch * len(kept)), "--batch", str(batch)]) == 0
+    path = str(resolve_pulled(authority)) if authority.startswith(PULLED) else authority
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype("fastest", torch.device("cpu"))).eval()
+    cache_features(work, work / "features", model, authority)
+    return work
+
+
+def heads(folders: list[str], records: Path, authority: str, every: int = 20, temperatures=(0.0,)) -> None:
     from transformers import AutoModelForCausalLM
     from cascade.pull import PULLED, resolve_pulled
     from cascade.train.corpus import load_tokenizer
@@ -51,7 +81,7 @@ def heads(folders: list[str], records: Path, authority: str) -> None:
 
     path = str(resolve_pulled(authority)) if authority.startswith(PULLED) else authority
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    held = load_head_data(records, records / "features", held_out=True)
+    held = load_head_data(records, records / "features", held_out=True, held_out_every=every)
     answers = answer_starts(held, generation_prompt(load_tokenizer(path)))
     embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     for folder in folders:
@@ -61,8 +91,9 @@ def heads(folders: list[str], records: Path, authority: str) -> None:
         objective = HeadObjective(embed, lm_head, ids, "cpu", feature_rms=rms)
         head = FeatureHead.from_pretrained(folder, dtype=torch.float32).eval()
         print(folder, rounded(evaluate_head(head, objective, HeadSampler(held, 256, 8))), flush=True)
-        drafting = draft_acceptance(head, objective, model, held, starts=256, answers=answers)
-        print(folder, "greedy drafting in the answers", rounded(drafting), flush=True)
+        for t in temperatures:
+            drafting = draft_acceptance(head, objective, model, held, starts=256, answers=answers, temperature=t)
+            print(folder, f"drafting in the answers, T = {t}", json.dumps(rounded(drafting)), flush=True)
 
 
 def main() -> None:
@@ -71,8 +102,13 @@ def main() -> None:
     ap.add_argument("--head", action="store_true", help="the folders are feature heads")
     ap.add_argument("--records", type=Path, default=WORK / "record", help="what cascade record wrote")
     ap.add_argument("--authority", default="pulled:smollm2-135m-instruct")
+    ap.add_argument("--fixed", action="store_true", help="score on the repository's held-out set (heldout/)")
     args = ap.parse_args()
-    if args.head:
+    if args.fixed:
+        records = fixed_heldout(WORK / "heldout", args.authority)
+        heads(args.folders, records, args.authority, every=1, temperatures=(0.0, 0.8)) if args.head else \
+            print("--fixed scores heads (--head)")
+    elif args.head:
         heads(args.folders, args.records, args.authority)
     else:
         drafters(args.folders, args.records)

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The drafters' training stream for SmolLM2-135M-Instruct: record more of the authority's own
+# conversations, continue the feature head from the latest checkpoint on everything recorded,
+# score it on the repository's fixed held-out set; again, while the stream runs. In the
+# background, at low priority (nice 19): it takes the CPU that nothing else wants.
+#
+#   examples/models/smollm2/stream.sh           # start, or resume where it stopped
+#   examples/models/smollm2/stream.sh status    # running or not; the last lines of its log
+#   examples/models/smollm2/stream.sh stop      # stop (a training round writes its checkpoint first)
+#
+# What lasts is in the repository: records/ (every recorded shard's token ids, compressed, written
+# by `cascade record --keep`), heldout/ (the fixed held-out set), head/ (the committed head). A
+# machine whose cache is gone rebuilds the records from records/ (one scoring pass each, no
+# generation) and goes on. What is recomputed lives in $SMOLLM2_WORK (default
+# ~/.cache/cascade/work/smollm2): the full shards (top-k), the features, checkpoints, and
+# stream/head-N, each round's head with its held-out figures (heldout.txt). Commit the best
+# one into head/ with its figures in the model card (README.md here).
+#
+# Each round records ROUND_SEQUENCES more conversations (BATCH at a time, continuous batching:
+# docs/real-model.md says which BATCH was fastest where), then trains the head for MINUTES from
+# the previous round's head (the committed one first) over all records, at learning rate LR.
+set -euo pipefail
+
+cd "$(dirname "$0")/../../.."
+HERE=examples/models/smollm2
+WORK=${SMOLLM2_WORK:-$HOME/.cache/cascade/work/smollm2}
+BATCH=${BATCH:-32}
+ROUND_SEQUENCES=${ROUND_SEQUENCES:-640}
+MINUTES=${MINUTES:-30}
+LR=${LR:-3e-4}
+THREADS=${THREADS:-1}
+mkdir -p "$WORK/stream"
+
+running() { pgrep -f -- "stream.sh run $WORK" >/dev/null; }
+cascade() { python -c 'import sys; from cascade.cli import main; sys.exit(main())' "$@"; }
+
+case "${1:-start}" in
+  status)
+    if running; then echo "running"; else echo "not running"; fi
+    tail -n 4 "$WORK/stream.log" 2>/dev/null || true
+    exit 0 ;;
+  stop)
+    pkill -TERM -f -- "stream.sh run $WORK" || true
+    pkill -TERM -f -- "--out $WORK/record" || true
+    pkill -TERM -f -- "--work-dir $WORK/stream/train" || true
+    echo "stopping; re-run $0 to resume"
+    exit 0 ;;
+  start)
+    if running; then echo "already running; $0 status"; exit 0; fi
+    cascade pull smollm2-135m-instruct
+    export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS TOKENIZERS_PARALLELISM=false
+    nohup nice -n 19 "$0" run "$WORK" >>"$WORK/stream.log" 2>&1 &
+    echo "started (pid $!); $0 status"
+    exit 0 ;;
+  run) ;;
+  *) echo "usage: $0 [start|status|stop]" >&2; exit 2 ;;
+esac
+
+while true; do
+  kept=$(ls "$HERE/records"/shard-*.npz 2>/dev/null | wc -l)
+  sequences=$(( (kept + ROUND_SEQUENCES / BATCH) * BATCH ))
+  echo "$(date -u +%FT%TZ) round: $kept shards kept; recording to $sequences sequences"
+  cascade record --model pulled:smollm2-135m-instruct --out "$WORK/record" --keep "$HERE/records" \
+    --sequences "$sequences" --batch "$BATCH" --threads "$THREADS"
+  round=$(ls -d "$WORK/stream"/head-* 2>/dev/null | wc -l)
+  from=$(ls -d "$WORK/stream"/head-* 2>/dev/null | sort -V | tail -n 1)
+  from=${from:-$HERE/head}
+  echo "$(date -u +%FT%TZ) training head-$((round + 1)) from $from for $MINUTES minutes"
+  cascade distill --head --init "$from" --records "$WORK/record" --teacher pulled:smollm2-135m-instruct \
+    --out "$WORK/stream/head-$((round + 1))" --steps 100000 --max-minutes "$MINUTES" --seq-len 256 \
+    --batch-size 8 --lr "$LR" --warmup 20 --amp auto --threads "$THREADS" --device cpu \
+    --save-dtype bfloat16 --work-dir "$WORK/stream/train-$((round + 1))" --checkpoint-minutes 5 --no-progress
+  python "$HERE/eval_heldout.py" --head --fixed "$WORK/stream/head-$((round + 1))" \
+    | tee "$WORK/stream/head-$((round + 1))/heldout.txt"
+done
