@@ -131,3 +131,17 @@ def test_kept_ids_are_scored_not_generated_again(recorded, tmp_path):
     assert torch.equal(again["topk_ids"], first["topk_ids"])
     meta = json.loads((tmp_path / "again" / "record.json").read_text())
     assert {s["how"] for s in meta["shards"].values()} == {"scored"}
+
+
+def test_the_pipeline_records_and_trains_a_head_and_a_drafter_into_one_folder(recorded, tmp_path):
+    """`cascade pipeline`, the one command for a machine with an accelerator, at toy size on the CPU."""
+    root, authority, tok = recorded
+    out = tmp_path / "run"
+    assert main(["pipeline", "--model", str(authority), "--out", str(out), "--device", "cpu", "--sequences", "8",
+                 "--batch", "4", "--user-tokens", "8", "--answer-tokens", "16", "--draft-vocab", "64",
+                 "--corpus", str(root / "code"), "--dtype", "float32", "--seq-len", "32", "--batch-size", "4",
+                 "--head-minutes", "0.02", "--drafter-size", "1x32", "--drafter-minutes", "0.02"]) == 0
+    assert len(list((out / "ids").glob("shard-*.npz"))) == 2
+    head, draft = (json.loads((out / d / "training.json").read_text()) for d in ("head", "draft"))
+    assert head["steps"] >= 1 and head["draft_vocab"] == 64 and (out / "draft" / "draft_vocab.json").is_file()
+    assert draft["steps"] >= 1

@@ -26,6 +26,7 @@ _COMMAND_MODULES = (
     "cascade.tools.bench_serve",
     "cascade.train.distill",
     "cascade.train.record",
+    "cascade.train.pipeline",
     "cascade.tools.pull",
     "cascade.tools.cost_curve",
     "cascade.train.family_eval",

@@ -60,6 +60,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=16, help="log-probabilities kept per position")
     p.add_argument("--dtype", default="fastest", choices=("fastest", "float32", "bfloat16"),
                    help="the authority's dtype (fastest: bfloat16 where the CPU computes it natively, else float32)")
+    p.add_argument("--device", default="cpu", help="where the authority runs: cpu, auto or cuda[:N]")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_run)
@@ -74,7 +75,7 @@ def _run(args) -> int:
     keep = Path(args.keep) if args.keep else None
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
-    model, tok = _load(args.model, args.dtype)
+    model, tok = _load(args.model, args.dtype, _device(args.device))
     snippets = _snippets(args.corpus, args.seed) if args.code_share > 0 else []
     meta_path = out / "record.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {
@@ -120,7 +121,15 @@ def _run(args) -> int:
     return 0
 
 
-def _load(ref: str, dtype: str):
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    return "cuda:0" if name == "cuda" else name
+
+
+def _load(ref: str, dtype: str, device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -129,22 +138,23 @@ def _load(ref: str, dtype: str):
     path = str(resolve_pulled(ref)) if ref.startswith(PULLED) else ref
     from workers.devices import resolve_dtype
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, torch.device("cpu"))).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, torch.device(device)))
     tok = AutoTokenizer.from_pretrained(path)
-    return model, tok
+    return model.to(device).eval(), tok
 
 
 def _generator(args, out: Path):
     """The cascade that writes the conversations: ``--topology``, or the authority alone."""
     from cascade import Cascade
 
+    device = _device(args.device)
     if args.topology:
-        return Cascade.from_topology(args.topology)
+        return Cascade.from_topology(args.topology, device=device)
     model = args.model if args.model.startswith("pulled:") else str(Path(args.model).resolve())
     path = out / "authority.yaml"
     path.write_text(json.dumps({"name": "record", "levels": [{"name": "authority", "model": model, "dtype": args.dtype}],
                                 "policy": {"name": "fixed"}}) + "\n")  # JSON is YAML
-    return Cascade.from_topology(path)
+    return Cascade.from_topology(path, device=device)
 
 
 def _snippets(corpus: str, seed: int) -> list[str]:
@@ -231,11 +241,11 @@ def score(model, tokens, lengths, k: int, chunk: int = 8) -> dict:
             for r, s in enumerate(part):
                 batch[r, :len(s)] = s
                 mask[r, :len(s)] = 1
-            logits = model(input_ids=batch, attention_mask=mask).logits
+            logits = model(input_ids=batch.to(model.device), attention_mask=mask.to(model.device)).logits
             for r, s in enumerate(part):
                 top = torch.log_softmax(logits[r, :len(s)].float(), -1).topk(k, dim=-1)
-                ids.append(top.indices.to(torch.int32))
-                logp.append(top.values.to(torch.float16))
+                ids.append(top.indices.to(torch.int32).cpu())
+                logp.append(top.values.to(torch.float16).cpu())
     return {"topk_ids": torch.cat(ids), "topk_logprobs": torch.cat(logp)}
 
 
