@@ -1,9 +1,12 @@
-"""A transformers worker's own last hidden states, kept for a feature head (:mod:`workers.head`).
+"""A transformers worker's own hidden states, kept for a feature head (:mod:`workers.head`).
 
 A feature head drafts from the features of the level it reads (its ``features_of``): the last
-hidden state at every position, the input of that level's LM head (after its final norm). The
-level computes them anyway while it scores; :class:`FeatureStore` keeps them per sequence, so
-that handing them to the head costs no extra pass.
+hidden state at every position, the input of that level's LM head (after its final norm), or,
+for a head that fuses layers (EAGLE-3, ``fuse_layers`` in its config), the inputs of those
+decoder layers side by side (layer ``k``'s input: the residual stream after ``k`` layers, what
+transformers' ``output_hidden_states`` gives as ``hidden_states[k]``). The level computes them
+anyway while it scores; :class:`FeatureStore` keeps them per sequence, so that handing them to
+the head costs no extra pass.
 
 The store mirrors the worker's KV cache by tokens, not by cache columns: per sequence, the tokens
 whose features it holds and one feature row per token (row ``i``: the hidden state after reading
@@ -16,7 +19,7 @@ accepted path's rows stay, the other nodes' go (:func:`workers.trees.accepted_pa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -32,16 +35,52 @@ class _Held:
     tree: tuple[list[int], list[int], torch.Tensor] | None = None
 
 
-class FeatureStore:
-    """Per sequence: the tokens a worker has fed and the last hidden state at each of them."""
+def check_layers(layers: Sequence[int] | None, num_layers: int) -> list[int] | None:
+    """``layers`` (a head's ``fuse_layers``) as a list, each a decoder layer of a model of
+    ``num_layers`` layers; a clear error otherwise."""
+    if layers is None:
+        return None
+    layers = [int(k) for k in layers]
+    if not layers or len(set(layers)) != len(layers) or not all(0 <= k < num_layers for k in layers):
+        raise ValueError(f"fuse_layers {layers}: distinct decoder layers in 0..{num_layers - 1} (this model has "
+                         f"{num_layers})")
+    return layers
 
-    def __init__(self, hidden_size: int):
+
+def capture_layer_inputs(model, layers: Sequence[int], capture: Callable[[torch.Tensor], None]) -> list:
+    """Hooks on a transformers causal LM that call ``capture`` once per forward pass with the
+    inputs of its decoder ``layers``, side by side ``[rows, width, len(layers) * hidden]``, as
+    the lean forward's ``capture_layers`` does (:func:`workers.lean.lean_forward`). Returns the
+    hook handles."""
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    taken: dict[int, torch.Tensor] = {}
+
+    def take(k):
+        def hook(module, args, kwargs):
+            taken[k] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def done(module, args, output):
+        if len(taken) == len(layers):
+            capture(torch.cat([taken[k] for k in layers], dim=-1))
+        taken.clear()
+
+    handles = [body.layers[k].register_forward_pre_hook(take(k), with_kwargs=True) for k in layers]
+    return handles + [body.register_forward_hook(done)]
+
+
+class FeatureStore:
+    """Per sequence: the tokens a worker has fed and the feature at each of them (``hidden_size``
+    wide: the features' width, several layers' hidden states where a head fuses them)."""
+
+    def __init__(self, hidden_size: int, layers: Sequence[int] | None = None):
         self.hidden_size = hidden_size
+        self.layers = None if layers is None else list(layers)  # None: the last hidden state
         self.seqs: dict[str, _Held] = {}
         self.last: torch.Tensor | None = None  # the hidden states of the pass that ran last
 
     def capture(self, hidden: torch.Tensor) -> None:
-        """Called by the worker's forward pass with its final hidden states ``[rows, width, hidden]``
+        """Called by the worker's forward pass with its features ``[rows, width, hidden_size]``
         (every position of the pass, pads included); the worker then :meth:`record`\\ s each row."""
         self.last = hidden.detach()
 

@@ -77,6 +77,20 @@ class HeadConfig:
     hidden_act: str = "silu"
     attention_bias: bool = False
     lm_head_rows: int = 0
+    fuse_layers: list[int] | None = None
+
+    def __post_init__(self):
+        if self.fuse_layers is not None:
+            layers = self.fuse_layers
+            if (not isinstance(layers, list) or not layers or len(set(layers)) != len(layers)
+                    or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in layers)):
+                raise ValueError(f"fuse_layers: distinct layer indices >= 0 (or null), not {layers!r}")
+
+    @property
+    def feature_width(self) -> int:
+        """The width of one feature the head is handed: the source's hidden size, times the
+        number of layers it fuses."""
+        return self.hidden_size * len(self.fuse_layers or [None])
 
     @classmethod
     def load(cls, path: str | Path) -> "HeadConfig":
@@ -88,7 +102,10 @@ class HeadConfig:
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
-        (Path(path) / CONFIG).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        data = asdict(self)
+        if data["fuse_layers"] is None:  # a head over the last hidden state writes the file it always did
+            del data["fuse_layers"]
+        (Path(path) / CONFIG).write_text(json.dumps(data, indent=2) + "\n")
 
     def llama(self):
         """The transformers LlamaConfig of the head's decoder layer."""
@@ -110,7 +127,8 @@ class FeatureHead(nn.Module):
     :meth:`forward` maps the inputs of positions (their previous position's feature and their
     token's embedding) to predicted features ``f̂``; logits are an LM head applied to them (the
     source's, or :attr:`lm_head`). For training, :func:`shifted` turns a sequence's features
-    into the inputs of its positions."""
+    into the inputs of its positions. A head that fuses layers (``fuse_layers``, EAGLE-3) reads
+    the source's features through :meth:`project` first; its own predictions need no projection."""
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -120,9 +138,17 @@ class FeatureHead(nn.Module):
         llama = config.llama()
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        # EAGLE-3's fused feature: the chosen layers' hidden states side by side, projected to one
+        self.fuse = nn.Linear(config.feature_width, hidden, bias=False) if config.fuse_layers else None
         self.layer = LlamaDecoderLayer(llama, layer_idx=0)
         self.rotary = LlamaRotaryEmbedding(llama)
         self.lm_head = nn.Linear(hidden, config.lm_head_rows, bias=False) if config.lm_head_rows else None
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """The source's features ``[..., feature_width]`` in the space :meth:`forward` reads and
+        predicts ``[..., hidden]``: the fused layers projected by :attr:`fuse`, or as they are
+        (a head over the last hidden state). A predicted feature ``f̂`` is already in that space."""
+        return features if self.fuse is None else self.fuse(features)
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
@@ -173,10 +199,11 @@ def shifted(features: torch.Tensor) -> torch.Tensor:
 
 def random_head(authority, seed: int = 0, intermediate_size: int | None = None,
                 num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
-                lm_head_rows: int = 0, scale: float = 1.0) -> FeatureHead:
+                lm_head_rows: int = 0, scale: float = 1.0, fuse_layers: Sequence[int] | None = None) -> FeatureHead:
     """A randomly initialised head for ``authority`` (a transformers causal LM, or its folder),
     of the authority's width, heads and RoPE base unless told otherwise; ``scale`` multiplies
-    its weights (``fc`` and the layer's output projections) to sharpen or flatten its drafts."""
+    its weights (``fc`` and the layer's output projections) to sharpen or flatten its drafts;
+    ``fuse_layers``: the authority's layers whose inputs it reads (None: its last hidden state)."""
     if isinstance(authority, (str, Path)):
         from transformers import AutoConfig
 
@@ -195,6 +222,7 @@ def random_head(authority, seed: int = 0, intermediate_size: int | None = None,
         rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
         max_position_embeddings=getattr(config, "max_position_embeddings", 8192),
         lm_head_rows=lm_head_rows,
+        fuse_layers=None if fuse_layers is None else [int(k) for k in fuse_layers],
     )
     torch.manual_seed(seed)
     head = FeatureHead(head_config)
@@ -316,7 +344,7 @@ class HeadWorker(Worker):
         head = FeatureHead.from_pretrained(path, dtype=next(model.parameters()).dtype, device=source.device)
         worker = cls(head, model.get_input_embeddings(), model.get_output_embeddings(), features_of,
                      DraftVocab.load(path))
-        source.keep_features()
+        source.keep_features(head.config.fuse_layers)
         return worker
 
     def score(self, seq_ids, token_ids, num_positions):
@@ -352,9 +380,13 @@ class HeadWorker(Worker):
     def take_features(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]], starts: Sequence[int],
                       features: Sequence[torch.Tensor]) -> None:
         """The source's features of positions ``starts[b] .. starts[b] + n_b - 1`` of ``token_ids[b]``
-        (``features[b]`` ``[n_b, hidden]``), for the head's next pass. Entries fed with the head's
-        own predictions where these now give the real feature are dropped."""
+        (``features[b]`` ``[n_b, feature_width]``), for the head's next pass. Entries fed with the
+        head's own predictions where these now give the real feature are dropped."""
+        width = self.head.config.feature_width
         for s, toks, start, feats in zip(seq_ids, token_ids, starts, features):
+            if feats.shape[-1] != width:
+                raise ValueError(f"take_features: features of width {feats.shape[-1]}; this head reads "
+                                 f"{width} (fuse_layers {self.head.config.fuse_layers})")
             toks = list(toks)
             state = self._seqs.get(s)
             if state is None:
@@ -367,7 +399,7 @@ class HeadWorker(Worker):
                 raise ValueError(f"take_features: features from position {start}, but the head holds "
                                  f"{len(state.tokens)} entries: positions {max(len(state.tokens) - 1, 0)}.."
                                  f"{start - 1} are missing")
-            state.feats = feats.to(device=self.device, dtype=self.dtype)
+            state.feats = self.head.project(feats.to(device=self.device, dtype=self.dtype))
             state.feat_start, state.feat_tokens = start, toks[:end]
 
     # -- drafting ------------------------------------------------------------------------------

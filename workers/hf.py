@@ -25,7 +25,7 @@ import torch
 from workers.base import DTYPES, Worker, common_prefix
 from workers.devices import resolve_device, resolve_dtype
 from workers.draft_vocab import DraftVocab
-from workers.features import FeatureStore
+from workers.features import FeatureStore, capture_layer_inputs, check_layers
 from workers.lean import attention_mask, lean_forward
 from workers.pool import Pool, growing_cache, poolable
 from workers.trees import Pending, accepted_path, as_tree, depths, window_mask
@@ -95,22 +95,33 @@ class HFWorker(Worker):
         self._setup(lean, draft_vocab, packed_weights)
         return self
 
-    def keep_features(self) -> None:
+    def keep_features(self, layers: Sequence[int] | None = None) -> None:
         """From now on keep the last hidden state (the LM head's input) at every position each pass
-        computes, per sequence, for a feature head to read (:meth:`features`). Set when a topology
-        has a head reading this level; nothing is kept otherwise."""
+        computes, per sequence, for a feature head to read (:meth:`features`); with ``layers``
+        (a head's ``fuse_layers``), the inputs of those decoder layers side by side instead
+        (:mod:`workers.features`). Set when a topology has a head reading this level; nothing is
+        kept otherwise."""
+        layers = check_layers(layers, int(self.model.config.num_hidden_layers))
         if self._features is not None:
+            if self._features.layers != layers:
+                raise ValueError(f"feature heads reading one level read the same features: this level keeps "
+                                 f"those of layers {self._features.layers}, another head asks for {layers}")
             return
         if self.draft_vocab is not None:
             raise ValueError("a feature head reads a model over the authority's whole vocabulary; this is a "
                              "trimmed drafter (draft_vocab.json)")
-        store = self._features = FeatureStore(int(self.model.get_output_embeddings().weight.shape[1]))
+        hidden = int(self.model.get_output_embeddings().weight.shape[1])
+        store = self._features = FeatureStore(hidden * len(layers or [None]), layers)
         if self.lean is not None:  # before the hook below, which the lean forward would refuse
-            self.lean = lean_forward(self.model, capture=store.capture, pack=self._pack)
+            self.lean = lean_forward(self.model, capture=store.capture, pack=self._pack,
+                                     capture_layers=layers)
         # transformers' forward (no lean one, and the per-sequence fallback's batched passes): the
         # base model's output is the final norm's, at every position
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-        decoder.register_forward_hook(lambda module, args, output: store.capture(output[0]))
+        if layers:
+            capture_layer_inputs(self.model, layers, store.capture)
+        else:
+            decoder.register_forward_hook(lambda module, args, output: store.capture(output[0]))
         if self._pool:
             self._pool.features = store
 

@@ -49,8 +49,8 @@ ARCHITECTURES = {
 FOLD_MOST_POSITIONS = 16
 
 
-def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, pack: bool | None = None
-                 ) -> Forward | None:
+def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, pack: bool | None = None,
+                 capture_layers: Sequence[int] | None = None) -> Forward | None:
     """``forward(input_ids, position_ids, layers, valid, keep) -> logits`` for ``model``, or None.
 
     * ``input_ids``, ``position_ids``: ``[rows, width]`` — the pass's new tokens and their positions;
@@ -64,7 +64,9 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
       attends to, in place of causality among them (a tree of candidates, :mod:`workers.trees`).
 
     ``capture``: called with the final hidden states of every position ``[rows, width, hidden]``
-    (the LM head's inputs) on each pass, for a feature head (:mod:`workers.features`).
+    (the LM head's inputs) on each pass, for a feature head (:mod:`workers.features`); with
+    ``capture_layers``, with the inputs of those decoder layers side by side instead
+    ``[rows, width, len(capture_layers) * hidden]`` (a head that fuses layers, EAGLE-3).
 
     ``pack``: score passes of several rows with oneDNN over prepacked copies of the large
     weights (:func:`_linear_op`); None: where that is float32 on a CPU with oneDNN.
@@ -123,7 +125,11 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         fold = groups > 1 and (1 < width <= FOLD_MOST_POSITIONS or (width == 1 and fold_one))
         if fold and mask is not None:  # (never None over several positions)
             mask = mask.repeat(1, 1, groups, 1)
-        for (norm1, wq, wk, wv, wo, norm2, gate, up, down, act, head_norms), cache in zip(weights, layers):
+        taken = {}  # the inputs of the layers a fused feature reads
+        for index, ((norm1, wq, wk, wv, wo, norm2, gate, up, down, act, head_norms), cache) in enumerate(
+                zip(weights, layers)):
+            if capture_layers and index in capture_layers:
+                taken[index] = hidden
             x = _rms(hidden, *norm1)
             q = wq(x).view(rows, width, -1, head_dim)
             k = wk(x).view(rows, width, -1, head_dim)
@@ -144,7 +150,9 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
             hidden = hidden + wo(out.transpose(1, 2).reshape(rows, width, -1))
             x = _rms(hidden, *norm2)
             hidden = hidden + down(act(gate(x)) * up(x))
-        if capture is not None:  # every position's features, for a feature head
+        if capture is not None and capture_layers:
+            capture(torch.cat([taken[k] for k in capture_layers], dim=-1))
+        elif capture is not None:  # every position's features, for a feature head
             hidden = _rms(hidden, *final_norm)
             capture(hidden)
             return lm_head(hidden[:, width - keep:].contiguous())
