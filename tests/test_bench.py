@@ -410,3 +410,22 @@ def test_an_only_that_names_no_configuration_is_an_error(family, tmp_path, capsy
     assert code == 2
     assert "'cascade:nosuch:auto' matches no configuration" in err and "cascade:tiny->large" in err
     assert not (tmp_path / "o" / "bench.json").exists()
+
+
+def test_assisted_generation_is_left_out_where_it_cannot_apply():
+    """transformers' assisted generation needs a transformers drafter over the authority's own
+    token ids: a trimmed draft vocabulary, another vocabulary size or no model at all is a
+    reason to leave its row out (said before anything runs), never a traceback minutes in."""
+    from types import SimpleNamespace
+
+    from cascade.tools.baselines import assisted_unfit
+
+    def level(vocab: int, draft_vocab=None):
+        config = SimpleNamespace(get_text_config=lambda: SimpleNamespace(vocab_size=vocab))
+        return SimpleNamespace(model=SimpleNamespace(config=config, generate=None), draft_vocab=draft_vocab)
+
+    authority = level(320)
+    assert assisted_unfit(level(320), authority) is None
+    assert "trimmed draft vocabulary" in assisted_unfit(level(8193, draft_vocab=object()), authority)
+    assert assisted_unfit(level(400), authority) == "a vocabulary of 400 tokens, the authority's has 320"
+    assert "not a transformers model" in assisted_unfit(SimpleNamespace(), authority)
