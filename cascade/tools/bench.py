@@ -494,7 +494,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark cascade against plain and transformers' assisted decoding",
                        description="Run plain decoding, transformers assisted generation and prompt lookup, and "
                                    "cascade configurations on the same prompts, interleaved in one process; report "
-                                   "tokens/s, speedup over plain decoding measured in the same run, authority passes "
+                                   "tokens/s, speedup over plain decoding and over cascade with the authority alone "
+                                   "(what drafting bought), both measured in the same run, authority passes "
                                    "per token, acceptance, predicted vs measured speedup, the repetition of each "
                                    "configuration's text and the speedup over the prompts whose plain text is no "
                                    "loop; check exactness (greedy: token identity; sampled: a chi-square test of "
@@ -511,8 +512,8 @@ def add_parser(sub) -> None:
                    help=f"torch's intra-op threads (default {DEFAULT_THREADS}: steady timings on a shared machine)")
     p.add_argument("--prompt-lookup", type=types.positive_int, default=10, help="prompt_lookup_num_tokens for transformers")
     p.add_argument("--only", action="append", default=None,
-                   help="run only configurations whose name contains this (plain always runs; repeatable; one that "
-                        "no configuration contains is an error that lists them)")
+                   help="run only configurations whose name contains this (plain and cascade:authority always run; "
+                        "repeatable; one that no configuration contains is an error that lists them)")
     p.add_argument("--batch-sizes", type=types.positive_int_list, default=None,
                    help="throughput mode: comma-separated batch sizes (e.g. 1,4,16,64), plain batched decoding "
                         "vs the batched cascade")
