@@ -50,7 +50,7 @@ FOLD_MOST_POSITIONS = 16
 
 
 def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, pack: bool | None = None,
-                 capture_layers: Sequence[int] | None = None) -> Forward | None:
+                 capture_layers: Sequence[int] | None = None, batch_invariant: bool = False) -> Forward | None:
     """``forward(input_ids, position_ids, layers, valid, keep) -> logits`` for ``model``, or None.
 
     * ``input_ids``, ``position_ids``: ``[rows, width]`` — the pass's new tokens and their positions;
@@ -70,7 +70,13 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
 
     ``pack``: score passes of several rows with oneDNN over prepacked copies of the large
     weights (:func:`_linear_op`); None: where that is float32 on a CPU with oneDNN.
+
+    ``batch_invariant``: a position's logits do not depend on the pass's width or rows, bit for
+    bit (:func:`invariant_attention`; docs/exactness.md, "Batch invariance"); bfloat16 on a CPU
+    whose oneDNN computes it natively only (:func:`batch_invariance_unsupported`).
     """
+    if batch_invariant and (why := batch_invariance_unsupported(model)):
+        raise ValueError(f"batch_invariant: {why}")
     arch = _supported(model)
     if arch is None:
         return None
@@ -122,7 +128,10 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = attention_mask(valid, width, layers[0].get_seq_length() + width, hidden.device, among)
-        fold = groups > 1 and (1 < width <= FOLD_MOST_POSITIONS or (width == 1 and fold_one))
+        fold = groups > 1 and (1 < width <= FOLD_MOST_POSITIONS or (width == 1 and fold_one) or batch_invariant)
+        if batch_invariant and mask is None:
+            mask = torch.ones(rows, 1, width, layers[0].get_seq_length() + width, dtype=torch.bool,
+                              device=hidden.device)
         if fold and mask is not None:  # (never None over several positions)
             mask = mask.repeat(1, 1, groups, 1)
         taken = {}  # the inputs of the layers a fused feature reads
@@ -140,7 +149,10 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             keys, values = cache.update(k, v)
-            if fold:
+            if batch_invariant:
+                folded = q.reshape(rows, -1, groups * width, head_dim)
+                out = invariant_attention(folded, keys, values, mask, scaling).reshape(rows, -1, width, head_dim)
+            elif fold:
                 out = F.scaled_dot_product_attention(q.reshape(rows, -1, groups * width, head_dim), keys, values,
                                                      attn_mask=mask, scale=scaling).reshape(rows, -1, width, head_dim)
             else:
@@ -160,6 +172,60 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         return lm_head(hidden)
 
     return forward
+
+
+# Batch-invariant attention scores keys in blocks of this many columns, counted from column 0.
+INVARIANT_BLOCK = 256
+
+
+def invariant_attention(q, keys, values, mask, scale: float) -> torch.Tensor:
+    """Attention whose output for a query row does not depend on the pass's other rows or on how
+    many columns it has past those the row sees. torch's CPU kernel is exact about neither in
+    bfloat16: its rounding moves with the number of key columns, masked ones included, so the
+    same position scored in a wider pass (more columns) came out one step apart. Here the
+    columns go in fixed blocks of :data:`INVARIANT_BLOCK` from column 0 (the last padded and
+    masked), every block through the kernel at one shape, and the blocks' results merged in
+    float32 in column order by their log-sum-exp; a block a row sees nothing of weighs exactly
+    zero, so trailing blocks change nothing. ``q`` ``[rows, heads, n, d]``; ``keys``/``values``
+    ``[rows, heads, columns, d]``; ``mask`` ``[rows, 1, n, columns]`` bool (True = attend)."""
+    columns = keys.shape[2]
+    blocks = -(-columns // INVARIANT_BLOCK)
+    pad = blocks * INVARIANT_BLOCK - columns
+    if pad:
+        keys, values = F.pad(keys, (0, 0, 0, pad)), F.pad(values, (0, 0, 0, pad))
+        mask = F.pad(mask, (0, pad), value=False)
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    outs, sums, seen = [], [], []
+    for b in range(blocks):
+        cut = slice(b * INVARIANT_BLOCK, (b + 1) * INVARIANT_BLOCK)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, keys[:, :, cut], values[:, :, cut], 0.0, False, attn_mask=bias[..., cut], scale=scale)
+        if blocks == 1:
+            return out
+        outs.append(out)
+        sums.append(lse)
+        seen.append(mask[..., cut].any(-1))  # (the kernel's log-sum-exp of an empty row is not -inf)
+    top = torch.stack([torch.where(s, lse, float("-inf")) for s, lse in zip(seen, sums)]).amax(0)
+    total = torch.zeros_like(top)
+    merged = torch.zeros(outs[0].shape, dtype=torch.float32, device=q.device)
+    for out, lse, s in zip(outs, sums, seen):
+        weight = torch.where(s, torch.exp(lse - top), 0.0)
+        total = total + weight
+        merged = merged + weight.unsqueeze(-1) * out.float()
+    return (merged / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).to(q.dtype)
+
+
+def batch_invariance_unsupported(model) -> str | None:
+    """Why the lean forward cannot be batch-invariant for ``model`` here, or None: it needs
+    bfloat16 on a CPU where oneDNN computes it natively (products from prepacked copies, each row
+    the same kernel whatever the row count) and torch's CPU flash-attention kernel."""
+    if model.dtype != torch.bfloat16 or model.device.type != "cpu":
+        return f"needs a bfloat16 model on a CPU (this one is {model.dtype} on {model.device.type})"
+    if not packable(model.lm_head.weight):
+        return "needs a CPU where oneDNN computes bfloat16 natively (AVX-512 BF16 or AMX)"
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return "needs torch's CPU flash-attention kernel (torch >= 2.3)"
+    return None
 
 
 def _sdpa_gqa() -> bool:
