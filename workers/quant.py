@@ -1,0 +1,306 @@
+"""A level that multiplies from quantized weights: 4-bit codes in groups of 32, as a GGUF ships them.
+
+A one-row decode step reads every weight once, so its cost follows the bytes read; 4-bit groups
+are about a quarter of bf16's. torch's CPU weight-only kernel ``_weight_int4pack_mm_for_cpu`` (what
+torchao drives) multiplies bf16 rows by such groups: each weight is ``(code - 8) * scale + zero``
+over its group of 32 inputs, and every GGUF format read here maps onto that exactly:
+
+* Q4_1 (``w = d * q + m``): code ``q``, scale ``d``, zero ``m + 8 d``;
+* Q4_0 (``w = d * (q - 8)``): code ``q``, scale ``d``, zero 0;
+* Q8_0 (``w = d * q``, ``q`` a signed byte): two 4-bit halves of ``q + 128``, multiplied as one
+  weight twice as wide over the input given twice — the high half with scale ``16 d`` and zero
+  ``8 d``, the low half with scale ``d`` and zero 0 (their sum is ``d * q``).
+
+``quantize: int4`` makes such groups from any model's float weights instead (each group's range
+in 16 steps: an approximation of that model, not the model). The kernel takes its scales and
+zeros in bfloat16 (the GGUF's are float16, so they are rounded once more) and accumulates in
+float32: the level computes the GGUF's weights to about bf16's rounding (docs/quantized.md).
+
+The kernel's cost grows with the rows of a pass, where a bf16 product's barely does, so each
+product runs the kernel up to a number of rows measured when the level loads (the widest pass
+at which the kernel beat the float products, ``CASCADE_QUANT_MOST_ROWS`` to fix it) and the
+level's own float product (workers/lean.py) above it. Where the kernel is missing, does not
+match its reference, or the level is not bfloat16, every product stays float, with a warning.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+GROUP = 32
+ROW_STEPS = (1, 2, 4, 8, 16, 32)  # pass widths at which the kernel is timed against the float product
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+# GGUF tensor names of a Llama-shaped decoder -> the module of transformers' model
+_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+
+
+class QuantError(ValueError):
+    """A quantized level cannot be built as asked (named file, tensor or field)."""
+
+
+@dataclass
+class Groups:
+    """A weight ``[out, in]`` as torch's int4 kernel takes it: ``codes`` ``[out, in]`` (0..15),
+    ``scales`` and ``zeros`` ``[out, in / 32]``, each weight ``(code - 8) * scale + zero``.
+    ``repeat`` 2: the weight is twice as wide as the product's input, which is given twice (Q8_0)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    repeat: int = 1
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight ``[out, in]`` the kernel computes with (its scales rounded to bf16)."""
+        scale = self.scales.bfloat16().float().repeat_interleave(GROUP, 1)
+        zero = self.zeros.bfloat16().float().repeat_interleave(GROUP, 1)
+        w = (self.codes.float() - 8) * scale + zero
+        return sum(w.chunk(self.repeat, dim=1))
+
+    def permute_rows(self, order: np.ndarray) -> "Groups":
+        index = torch.from_numpy(order)
+        return Groups(self.codes[index], self.scales[index], self.zeros[index], self.repeat)
+
+
+def _halves(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The 32 4-bit codes of each block, from 16 bytes at ``start``: low nibbles first (ggml's order)."""
+    qs = blocks[..., start:start + 16]
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def parse_blocks(data: np.ndarray, kind: str, columns: int) -> Groups:
+    """Groups from a GGUF tensor's raw blocks ``data`` ``[out, bytes]`` of type ``kind``."""
+    rows = data.shape[0]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(rows, columns // GROUP, -1)
+    d = _f16(blocks, 0)
+    if kind == "Q4_0":
+        codes, scales, zeros = _halves(blocks, 2), d, np.zeros_like(d)
+    elif kind == "Q4_1":
+        codes, scales, zeros = _halves(blocks, 4), d, _f16(blocks, 2) + 8 * d
+    elif kind == "Q8_0":
+        unsigned = blocks[..., 2:34].view(np.int8).astype(np.int16) + 128
+        hi, lo = (unsigned >> 4).astype(np.uint8), (unsigned & 15).astype(np.uint8)
+        codes = np.concatenate([hi, lo], axis=1)
+        scales, zeros = np.concatenate([16 * d, d], 1), np.concatenate([8 * d, np.zeros_like(d)], 1)
+    else:
+        raise QuantError(f"GGUF type {kind} is not read here (Q4_0, Q4_1, Q8_0 are)")
+    codes = torch.from_numpy(codes.reshape(rows, -1).astype(np.int32))
+    return Groups(codes, torch.from_numpy(scales), torch.from_numpy(zeros), 2 if kind == "Q8_0" else 1)
+
+
+def groups_from_float(weight: torch.Tensor) -> Groups:
+    """4-bit groups of 32 from a float weight ``[out, in]``: each group's range in 16 steps."""
+    w = weight.detach().float().reshape(weight.shape[0], -1, GROUP)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = ((w - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    return Groups(codes.reshape(weight.shape), scale, low + 8 * scale)
+
+
+def _unpermute(rows: int, heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's rotary permutation of a q/k weight (transformers'
+    GGUF loader undoes it the same way: ``_reverse_permute_weights``)."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(-1)
+
+
+def gguf_groups(path: Path, model) -> dict:
+    """module -> Groups for every quantized linear weight of ``model`` found in the GGUF at ``path``."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    if arch != "llama":
+        raise QuantError(f"{path}: a '{arch}' GGUF; quantize: gguf reads Llama-shaped ones")
+    config, layers = model.config, model.model.layers
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    found = {}
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+            module = layers[int(parts[1])].get_submodule(_LAYER_NAMES[parts[2]])
+        elif tensor.name == "output.weight" or (tensor.name == "token_embd.weight"
+                                                and model.lm_head.weight is model.model.embed_tokens.weight):
+            module = model.lm_head
+        else:
+            continue
+        kind = tensor.tensor_type.name
+        if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+            continue  # a float tensor: the level's own float product serves it
+        groups = parse_blocks(tensor.data, kind, int(tensor.shape[0]))
+        if parts[0] == "blk" and parts[2] in heads:
+            groups = groups.permute_rows(_unpermute(groups.codes.shape[0], heads[parts[2]]))
+        found[module] = groups
+    return found
+
+
+def gguf_path(model_dir: str, gguf_file: str | None) -> Path:
+    """The GGUF a ``quantize: gguf`` level reads: ``gguf_file`` in its model folder, else the file a
+    pulled model's manifest names (``cascade pull`` keeps it beside the converted model)."""
+    folder = Path(model_dir)
+    if gguf_file is not None:
+        return folder / gguf_file
+    manifest = folder / "cascade-model.json"
+    if manifest.is_file():
+        name = Path(json.loads(manifest.read_text())["source"]["file"]).name
+        if (folder / name).is_file():
+            return folder / name
+        raise QuantError(f"{folder}: quantize: gguf needs the GGUF it was converted from ({name}); "
+                         f"pull it again (cascade pull --force keeps it) or set gguf_file")
+    raise QuantError(f"{folder}: quantize: gguf needs a GGUF: set gguf_file, or use a pulled model")
+
+
+def check_matches(groups: dict, path: Path) -> None:
+    """Every quantized weight is the model's own, as loaded (to its dtype's rounding): a GGUF that
+    is not the one the model came from is named, not multiplied."""
+    for module, g in groups.items():
+        ours, theirs = g.dequantize(), module.weight.detach().float()
+        if ours.shape != theirs.shape:
+            raise QuantError(f"{path}: a weight of shape {tuple(ours.shape)} for {tuple(theirs.shape)}")
+        # bf16 rounding of either side (2^-8 of a weight) and the scale's rounding to bf16
+        bound = 2 ** -7 * theirs.abs().amax(1, keepdim=True) + 1e-6
+        if not bool(((ours - theirs).abs() <= bound).all()):
+            raise QuantError(f"{path}: its weights are not this model's (a {tuple(theirs.shape)} weight "
+                             f"differs by up to {float((ours - theirs).abs().max()):.3g})")
+
+
+class QuantProduct:
+    """``x @ W.T + bias`` from a weight's :class:`Groups` through torch's int4 kernel, for passes of
+    at most ``most_rows`` rows of bf16; ``plain`` (the level's float product) for the rest."""
+
+    def __init__(self, groups: Groups, bias: torch.Tensor | None, plain: Product):
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.contiguous(), 1)
+        # [in / 32, out, 2]: each group's scale and zero, as the kernel takes them
+        self.scales_zeros = torch.stack([groups.scales.t(), groups.zeros.t()], -1).bfloat16().contiguous()
+        self.repeat, self.bias, self.plain = groups.repeat, bias, plain
+        self.out, self.columns = groups.codes.shape[0], groups.codes.shape[1] // groups.repeat
+        self.most_rows = 0  # set by quantized_products once measured
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if self.repeat > 1:
+            flat = flat.repeat(1, self.repeat)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= self.most_rows:
+            return self.kernel(x)
+        return self.plain(x)
+
+
+def kernel_works() -> str | None:
+    """None where torch's int4 CPU kernel runs here and matches its reference on a probe, else why not."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        groups = groups_from_float(torch.randn(32, 64, generator=gen))
+        x = torch.randn(3, 64, generator=gen).bfloat16()
+        ours = QuantProduct(groups, None, None).kernel(x).float()
+    except (AttributeError, RuntimeError, NotImplementedError) as exc:
+        return f"torch's int4 CPU kernel is not available ({exc})"
+    reference = x.float() @ groups.dequantize().t()
+    if not torch.allclose(ours, reference, rtol=2e-2, atol=2e-2):
+        return "torch's int4 CPU kernel does not match its reference here"
+    return None
+
+
+def most_rows(products: list[QuantProduct]) -> int:
+    """The widest pass (of :data:`ROW_STEPS`) up to which the kernel beat the float products on
+    these weights, each width timed over all of them (every weight read from memory, as a pass
+    does), the two interleaved, the better of 2 after a warm-up; 0 where it never did.
+    ``CASCADE_QUANT_MOST_ROWS`` fixes it."""
+    fixed = os.environ.get("CASCADE_QUANT_MOST_ROWS")
+    if fixed is not None:
+        return int(fixed)
+    runs = {"kernel": lambda p, x: p.kernel(x), "plain": lambda p, x: p.plain(x)}
+    # every third weight and the largest (an LM head): a pass's mix of shapes, in less time
+    largest = max(products, key=lambda p: p.out * p.columns)
+    products = products[::3] + ([largest] if largest not in products[::3] else [])
+    best = 0
+    for rows in ROW_STEPS:
+        inputs = {p.columns: torch.randn(rows, p.columns).bfloat16() for p in products}
+        times: dict = {"kernel": [], "plain": []}
+        for repeat in range(3):  # the first round warms up (oneDNN builds a kernel per shape)
+            for name, run in runs.items():
+                start = time.perf_counter()
+                for p in products:
+                    run(p, inputs[p.columns])
+                if repeat:
+                    times[name].append(time.perf_counter() - start)
+        if min(times["kernel"]) >= min(times["plain"]):
+            break
+        best = rows
+    return best
+
+
+class Quantizer:
+    """The products of a quantized level, for :func:`workers.lean.lean_forward`'s ``quantized`` hook:
+    called with a module and the level's float product for it, it returns the quantized product
+    where the module has quantized weights (packed once per module), else the float one."""
+
+    def __init__(self, groups: dict, why_not: str | None = None):
+        self.groups, self.why_not = groups, why_not
+        self.products: dict = {}
+        self.most_rows: int | None = None
+
+    @classmethod
+    def build(cls, model, how: str, model_dir: str | None = None, gguf_file: str | None = None) -> "Quantizer":
+        """``how``: ``gguf`` (the groups of the GGUF the model came from) or ``int4`` (groups made
+        from the model's float weights)."""
+        if how == "gguf":
+            path = gguf_path(model_dir or "", gguf_file)
+            if not path.is_file():
+                raise QuantError(f"{path}: no such GGUF file (quantize: gguf)")
+            groups = gguf_groups(path, model)
+            check_matches(groups, path)
+        elif how == "int4":
+            groups = {m: groups_from_float(m.weight) for m in _linears(model)}
+        else:
+            raise QuantError(f"quantize: {how!r} is not one of 'gguf', 'int4'")
+        why = None if model.dtype == torch.bfloat16 else f"the level runs in {model.dtype}, the kernel in bfloat16"
+        why = why or (None if next(model.parameters()).device.type == "cpu" else "the level is not on a CPU")
+        why = why or kernel_works()
+        if why is not None:
+            log.warning("quantize: %s: multiplying from the float weights instead", why)
+        return cls(groups, why)
+
+    def __call__(self, module, plain: Product) -> Product:
+        groups = self.groups.get(module)
+        if groups is None or self.why_not is not None:
+            return plain
+        if module not in self.products:
+            self.products[module] = QuantProduct(groups, module.bias, plain)
+            self.products[module].most_rows = self.most_rows or 0
+        return self.products[module]
+
+    def measure(self) -> None:
+        """Decide, once the products are built, up to how many rows the kernel serves (:func:`most_rows`)."""
+        if self.most_rows is None and self.products:
+            self.most_rows = most_rows(list(self.products.values()))
+            for product in self.products.values():
+                product.most_rows = self.most_rows
+
+
+def _linears(model) -> list:
+    """The decoder's projections and the LM head: the weights a pass reads."""
+    names = list(_LAYER_NAMES.values())
+    found = [layer.get_submodule(n) for layer in model.model.layers for n in names]
+    return found + [model.lm_head]
