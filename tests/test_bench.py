@@ -427,5 +427,5 @@ def test_assisted_generation_is_left_out_where_it_cannot_apply():
     authority = level(320)
     assert assisted_unfit(level(320), authority) is None
     assert "trimmed draft vocabulary" in assisted_unfit(level(8193, draft_vocab=object()), authority)
-    assert assisted_unfit(level(400), authority) == "a vocabulary of 400 tokens, the authority's has 320"
+    assert assisted_unfit(level(400), authority) == "has a vocabulary of 400 tokens, the authority 320"
     assert "not a transformers model" in assisted_unfit(SimpleNamespace(), authority)

@@ -32,19 +32,20 @@ def as_loaded(model):
 
 def assisted_unfit(draft, authority) -> str | None:
     """Why transformers' assisted generation cannot take this draft level (its worker) as the
-    assistant of ``authority``'s model, or None where it can: it needs a transformers model that
+    assistant of ``authority``'s model, as a clause to follow the level's name, or None where it
+    can: it needs a transformers model that
     reads and writes the authority's token ids, and transformers tells vocabularies apart by
     their size alone (a different size is refused with an error; a trimmed draft vocabulary
     would be fed ids it does not know)."""
     model = getattr(draft, "model", None)
     if model is None or not hasattr(model, "generate"):
-        return "not a transformers model (assisted generation takes one as its assistant)"
+        return "is not a transformers model (assisted generation takes one as its assistant)"
     if getattr(draft, "draft_vocab", None) is not None:
-        return "a trimmed draft vocabulary (draft_vocab.json): its ids are not the authority's"
+        return "has a trimmed draft vocabulary (draft_vocab.json): its ids are not the authority's"
     theirs = model.config.get_text_config().vocab_size
     ours = authority.model.config.get_text_config().vocab_size
     if theirs != ours:
-        return f"a vocabulary of {theirs} tokens, the authority's has {ours}"
+        return f"has a vocabulary of {theirs} tokens, the authority {ours}"
     return None
 
 

@@ -21,7 +21,8 @@ in a warning (:mod:`cascade.tools.timing`). Configurations:
 given over both, the second being what drafting itself bought beside the authority's own forward.
 A configuration that cannot apply to the topology's levels (transformers' assisted generation
 with a drafter over another vocabulary, a tree from a level that drafts none) is left out before
-anything runs, with a line saying why.
+anything runs, with a line saying why. Every level runs in this process, whatever the topology's
+``backend`` says: transformers' rows need the models here.
 
 Each cascade configuration also gets a *predicted* speedup from its measured acceptance per
 draft position and measured seconds per forward pass of each level (cascade/DESIGN.md §4,
@@ -125,7 +126,7 @@ def build_configs(topo, workers, tokenizer, prompt_lookup: int, assisted: bool =
         for d in hf_drafts:
             why = assisted_unfit(workers[d], workers[authority])
             if why:
-                left_out.append(f"hf-assisted:{d}: {d} is {why}")
+                left_out.append(f"hf-assisted:{d}: {d} {why}")
                 continue
             configs.append(make.hf(f"hf-assisted:{d}", (d, authority), assistant_model=as_loaded(workers[d].model)))
         configs.append(make.hf("hf-prompt-lookup", (authority,), prompt_lookup_num_tokens=prompt_lookup))
