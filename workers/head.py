@@ -17,6 +17,12 @@ On disk a head is a folder: ``head_config.json`` (:class:`HeadConfig`) and ``mod
 (``fc.*``, ``layer.*``, and ``lm_head.weight`` if it has its own), written by
 :meth:`FeatureHead.save_pretrained` and read by :meth:`FeatureHead.from_pretrained`.
 
+**Fused features** (EAGLE-3, an option): a head whose config names ``fuse_layers`` reads the
+inputs of those decoder layers of its source side by side instead of the last hidden state
+(:mod:`workers.features`), projected to one hidden state by its own ``fuse`` map
+(:meth:`FeatureHead.project`, applied as the source's features are handed over); what it feeds
+back of its own, ``f̂``, is already in that space. ``fuse.weight`` is then in its weights too.
+
 **Drafting** (:class:`HeadWorker`). Where the source has computed the feature before a position,
 the head feeds it (a *real* entry); past the features it has been handed, it feeds its own
 prediction ``f̂_{t-1}`` (a *predicted* entry), one token per pass, as EAGLE drafts. Its KV cache
@@ -148,6 +154,9 @@ class FeatureHead(nn.Module):
         """The source's features ``[..., feature_width]`` in the space :meth:`forward` reads and
         predicts ``[..., hidden]``: the fused layers projected by :attr:`fuse`, or as they are
         (a head over the last hidden state). A predicted feature ``f̂`` is already in that space."""
+        if features.shape[-1] != self.config.feature_width:
+            raise ValueError(f"a head reading {self.config.feature_width}-wide features (fuse_layers "
+                             f"{self.config.fuse_layers}) was handed {features.shape[-1]}-wide ones")
         return features if self.fuse is None else self.fuse(features)
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor | None = None,
