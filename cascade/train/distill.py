@@ -188,7 +188,15 @@ def add_parser(sub) -> None:
                       help="authority: logits from the authority's frozen LM head (restricted to the draft "
                       "vocabulary), nothing saved; own: the head trains and ships its own output head, "
                       "initialised from the authority's rows")
-    head.add_argument("--reg-weight", type=float, default=1.0, help="weight of the smooth-L1 feature regression")
+    head.add_argument("--reg-weight", type=float, default=None,
+                      help="weight of the smooth-L1 feature regression (default 1; 0 with --fuse-layers, as EAGLE-3)")
+    head.add_argument("--fuse-layers", metavar="K,K,K", default=None,
+                      help="EAGLE-3's fused features: the head reads the inputs of these decoder layers of the "
+                      "authority side by side (auto: 2, L/2, L-3), not its last hidden state alone; the feature "
+                      "cache keeps them (cascade/train/head_eagle3.py)")
+    head.add_argument("--ttt-steps", type=int, default=1, metavar="K",
+                      help="EAGLE-3's training-time test: unroll each window K steps, the head fed its own "
+                      "predicted features from step 2 on, the loss at every step (1: off; 3 is EAGLE-3's)")
     head.add_argument("--cls-weight", type=float, default=0.1,
                       help="weight of KL(authority || head) on the (draft) vocabulary")
     head.add_argument("--feature-noise", type=float, default=0.0, metavar="A",

@@ -29,7 +29,8 @@ vocabulary, the expected acceptance of one drafted token at T = 1, and the greed
 draft positions 1..3 measured by drafting: at sampled positions of held-out conversations the
 head drafts three tokens from its own predicted features, as it does in the engine, and one
 authority pass (a 4D mask over the conversation and every chain) says which it would accept.
-They go into ``training.json`` beside the head, which :meth:`workers.head.FeatureHead.save_pretrained`
+EAGLE-3's fused features (``--fuse-layers``) and training-time test (``--ttt-steps``): see
+:mod:`cascade.train.head_eagle3`. They go into ``training.json`` beside the head, which :meth:`workers.head.FeatureHead.save_pretrained`
 writes so that a topology level ``kind: head, model: OUT, features_of: <authority>`` loads it.
 """
 from __future__ import annotations
@@ -55,16 +56,27 @@ def base_model(authority):
 
 
 @torch.inference_mode()
-def conversation_features(authority, tokens: torch.Tensor, lengths: list[int], chunk_tokens: int = 4096) -> torch.Tensor:
+def conversation_features(authority, tokens: torch.Tensor, lengths: list[int], chunk_tokens: int = 4096,
+                          layers: list[int] | None = None):
     """The authority's features at every position of the packed conversations ``tokens``
     (``lengths`` each, each from position 0), ``[n, hidden]`` bfloat16. Conversations go through
-    in right-padded groups of similar length, at most ``chunk_tokens`` padded tokens a pass."""
+    in right-padded groups of similar length, at most ``chunk_tokens`` padded tokens a pass.
+    With ``layers`` (a fused head's, :mod:`cascade.train.head_eagle3`): the pair of those and the
+    inputs of those decoder layers side by side ``[n, len(layers) * hidden]``, from the same passes."""
+    from cascade.train.head_eagle3 import layer_inputs
+
+    with layer_inputs(authority, layers) as taken:
+        return _conversation_features(authority, tokens, lengths, chunk_tokens, layers, taken)
+
+
+def _conversation_features(authority, tokens, lengths, chunk_tokens, layers, taken):
     body = base_model(authority)
     device = next(authority.parameters()).device
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
     out = torch.empty(offsets[-1], authority.config.hidden_size, dtype=torch.bfloat16)
+    fused = torch.empty(offsets[-1], len(layers) * out.shape[1], dtype=torch.bfloat16) if layers else None
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     group: list[int] = []
     for i in order + [None]:
@@ -80,13 +92,17 @@ def conversation_features(authority, tokens: torch.Tensor, lengths: list[int], c
         hidden = body(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
         for r, c in enumerate(group):
             out[offsets[c]:offsets[c + 1]] = hidden[r, :lengths[c]].to("cpu", torch.bfloat16)
+            if fused is not None:
+                fused[offsets[c]:offsets[c + 1]] = taken[0][r, :lengths[c]].to("cpu", torch.bfloat16)
         group = [] if i is None else [i]
-    return out
+    return out if fused is None else (out, fused)
 
 
-def cache_features(records: Path, out: Path, authority, ref: str, log=print, chunk_tokens: int = 4096) -> dict:
+def cache_features(records: Path, out: Path, authority, ref: str, log=print, chunk_tokens: int = 4096,
+                   layers: list[int] | None = None) -> dict:
     """Compute the features of every record shard not yet in ``out`` (resumable to the shard);
-    returns ``features.json``'s content."""
+    returns ``features.json``'s content. ``layers``: also the inputs of those decoder layers (a
+    fused head's); a shard kept for other layers is computed again."""
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / META
     dtype = str(next(authority.parameters()).dtype).replace("torch.", "")
@@ -97,19 +113,24 @@ def cache_features(records: Path, out: Path, authority, ref: str, log=print, chu
         raise SystemExit(f"cascade distill --head: {out} holds features of {meta['model']} in {meta['dtype']} "
                          f"(width {meta['hidden_size']}), not of {ref} in {dtype}: remove it or give --features DIR")
     shards = sorted(records.glob("shard-*.pt"))
-    todo = [s for s in shards if not (out / s.name).is_file()]
+    todo = [s for s in shards if not (out / s.name).is_file()
+            or meta["shards"].get(s.name, {}).get("layers") != layers]
+    meta["layers"] = layers
     if todo:
-        log(f"features: {len(todo)} of {len(shards)} record shards to compute into {out} ({ref}, {dtype})")
+        log(f"features: {len(todo)} of {len(shards)} record shards to compute into {out} ({ref}, {dtype}"
+            f"{f', layers {layers}' if layers else ''})")
     for path in todo:
         started = time.perf_counter()
         shard = torch.load(path, weights_only=False)
         tokens, lengths = shard["tokens"].long(), shard["lengths"].tolist()
-        feats = conversation_features(authority, tokens, lengths, chunk_tokens)
+        feats = conversation_features(authority, tokens, lengths, chunk_tokens, layers)
+        kept = {"features": feats} if not layers else {"features": feats[0], "fused": feats[1], "layers": layers}
         tmp = (out / path.name).with_suffix(".tmp")
-        torch.save({"features": feats, "tokens": shard["tokens"], "lengths": shard["lengths"]}, tmp)
+        torch.save({**kept, "tokens": shard["tokens"], "lengths": shard["lengths"]}, tmp)
         tmp.rename(out / path.name)
         took = time.perf_counter() - started
-        meta["shards"][path.name] = {"tokens": len(tokens), "seconds": round(took, 1)}
+        meta["shards"][path.name] = {"tokens": len(tokens), "seconds": round(took, 1),
+                                     **({"layers": layers} if layers else {})}
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
         log(f"features: {path.name}: {len(tokens):,} tokens in {took:.0f} s ({len(tokens) / took:.0f} tokens/s); "
             f"{len(meta['shards'])}/{len(shards)} shards")
@@ -126,6 +147,12 @@ class HeadData:
     position: torch.Tensor  # [n] int64
     conv: torch.Tensor  # [n] int64
     lengths: list[int]
+    fused: torch.Tensor | None = None  # [n, layers x hidden] bfloat16: a fused head's inputs (else None)
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        """What the head reads of each position (before :meth:`workers.head.FeatureHead.project`)."""
+        return self.features if self.fused is None else self.fused
 
     def conversations(self):
         """``(start, length)`` of each conversation in the stream."""
@@ -135,17 +162,19 @@ class HeadData:
             start += n
 
     def rms(self) -> float:
-        """The features' root mean square (over a sample of positions)."""
-        step = max(1, self.features.shape[0] // 4096)
-        return float(self.features[::step].float().pow(2).mean().sqrt())
+        """The input features' root mean square (over a sample of positions)."""
+        step = max(1, self.inputs.shape[0] // 4096)
+        return float(self.inputs[::step].float().pow(2).mean().sqrt())
 
 
-def load_head_data(records: Path, features: Path, held_out: bool, held_out_every: int = 20) -> HeadData:
+def load_head_data(records: Path, features: Path, held_out: bool, held_out_every: int = 20,
+                   layers: list[int] | None = None) -> HeadData:
     """The training (or held-out) record shards with their cached features (every
-    ``held_out_every``-th shard is held out: 1 for a folder of held-out shards alone)."""
+    ``held_out_every``-th shard is held out: 1 for a folder of held-out shards alone);
+    ``layers``: with the fused features of those layers."""
     from cascade.train.records import record_shards
 
-    tokens, feats, lengths = [], [], []
+    tokens, feats, lengths, fused = [], [], [], []
     for path in record_shards(records, held_out, held_out_every):
         cached = features / path.name
         if not cached.is_file():
@@ -153,13 +182,19 @@ def load_head_data(records: Path, features: Path, held_out: bool, held_out_every
         shard = torch.load(cached, weights_only=False)
         if not torch.equal(shard["tokens"], torch.load(path, weights_only=False)["tokens"]):
             raise SystemExit(f"cascade distill --head: {cached} was computed for other tokens than {path}: remove it")
+        if layers and shard.get("layers") != layers:
+            raise SystemExit(f"cascade distill --head: {cached} holds the features of layers {shard.get('layers')}, "
+                             f"not {layers}: compute them again (cache_features)")
         tokens.append(shard["tokens"].long())
         feats.append(shard["features"])
+        if layers:
+            fused.append(shard["fused"])
         lengths += shard["lengths"].tolist()
     conv = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
     position = torch.arange(conv.numel()) - starts[conv]
-    return HeadData(torch.cat(tokens), torch.cat(feats), position, conv, lengths)
+    return HeadData(torch.cat(tokens), torch.cat(feats), position, conv, lengths,
+                    torch.cat(fused) if layers else None)
 
 
 # --------------------------------------------------------------------------- batches
@@ -172,7 +207,7 @@ class HeadBatch:
     the conversation's start and a mask that keeps attention inside a conversation."""
 
     tokens: torch.Tensor  # [batch, seq_len]
-    inputs: torch.Tensor  # [batch, seq_len, hidden] bfloat16
+    inputs: torch.Tensor  # [batch, seq_len, feature width] bfloat16 (a fused head's: layers x hidden)
     targets: torch.Tensor  # [batch, seq_len, hidden] bfloat16
     positions: torch.Tensor  # [batch, seq_len]
     mask: torch.Tensor  # [batch, 1, seq_len, seq_len] bool
@@ -202,7 +237,7 @@ class HeadSampler:
         d = self.data
         idx = starts[:, None] + torch.arange(self.seq_len)
         pos = d.position[idx]
-        inputs = torch.where((pos > 0)[..., None], d.features[(idx - 1).clamp(min=0)], 0)
+        inputs = torch.where((pos > 0)[..., None], d.inputs[(idx - 1).clamp(min=0)], 0)
         conv = d.conv[idx]
         causal = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool).tril()
         mask = (conv[:, :, None] == conv[:, None, :]) & causal
@@ -224,7 +259,8 @@ class HeadObjective:
     the draft vocabulary), the loss, and one training step (``train_students``' ``step_fn``)."""
 
     def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor, ids: torch.Tensor | None, device,
-                 reg_weight: float = 1.0, cls_weight: float = 0.1, noise: float = 0.0, feature_rms: float = 1.0):
+                 reg_weight: float = 1.0, cls_weight: float = 0.1, noise: float = 0.0, feature_rms: float = 1.0,
+                 ttt_steps: int = 1):
         self.embed = embed.detach().to(device, torch.float32)
         same = lm_head.data_ptr() == embed.data_ptr()  # tied: one copy
         self.full = self.embed if same else lm_head.detach().to(device, torch.float32)
@@ -232,6 +268,7 @@ class HeadObjective:
         self.rows = self.full if ids is None else self.full[self.ids]
         self.reg_weight, self.cls_weight = reg_weight, cls_weight
         self.noise, self.feature_rms = noise, feature_rms
+        self.ttt_steps = ttt_steps  # > 1: the training-time test (cascade.train.head_eagle3)
 
     def student_logits(self, head, pred: torch.Tensor) -> torch.Tensor:
         """The head's logits over the draft vocabulary (or the whole) from predicted features."""
@@ -250,8 +287,12 @@ class HeadObjective:
         if train and self.noise > 0:
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * (self.noise * self.feature_rms)
         embeds = F.embedding(batch.tokens, self.embed)
+        if self.ttt_steps > 1:
+            from cascade.train.head_eagle3 import unrolled_losses
+
+            return unrolled_losses(self, head, batch, inputs, embeds, amp, self.ttt_steps)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            pred = head(inputs, embeds, batch.positions, batch.mask)
+            pred = head(head.project(inputs), embeds, batch.positions, batch.mask)
         pred = pred.float()
         target = batch.targets.float()
         reg = F.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
@@ -274,7 +315,8 @@ class HeadObjective:
         _optimizer_step(head, optims["head"], loss, lr, opt)
         val = loss.item()
         running["head"] = val if running["head"] is None else 0.95 * running["head"] + 0.05 * val
-        return {"head": f"{running['head']:.3f} (reg {parts['reg'].item():.3f} kl {parts['kl'].item():.3f} "
+        last = f" kl@{self.ttt_steps} {parts['kl_last'].item():.3f}" if "kl_last" in parts else ""
+        return {"head": f"{running['head']:.3f} (reg {parts['reg'].item():.3f} kl {parts['kl'].item():.3f}{last} "
                         f"top1 {parts['top1'].item():.2f})"}
 
 
@@ -396,7 +438,7 @@ def draft_acceptance(head, objective: HeadObjective, authority, data: HeadData, 
         k = min(per_conversation, length - 1 - lo, starts - taken)
         chosen = (lo + torch.randperm(length - 1 - lo, generator=g)[:k]).sort().values.to(device)
         tokens = data.tokens[start:start + length].to(device)
-        feats = data.features[start:start + length].to(device, torch.float32)
+        feats = data.inputs[start:start + length].to(device, torch.float32)
         drafts, drafted = _head_chains(head, objective, tokens, feats, chosen, depth, temperature, g)
         logits = _authority_logits(body, objective, tokens, chosen, drafts, authority)  # [k, depth, vocab]
         if temperature > 0:
@@ -429,7 +471,7 @@ def _head_chains(head, objective: HeadObjective, tokens, feats, chosen, depth: i
     dtype = next(head.parameters()).dtype
     causal = torch.ones(length, length, dtype=torch.bool, device=dev).tril()[None, None]
     cache = _Cache()
-    out = head(shifted(feats[None]).to(dtype), F.embedding(tokens, objective.embed)[None].to(dtype),
+    out = head(shifted(head.project(feats[None].to(dtype))), F.embedding(tokens, objective.embed)[None].to(dtype),
                torch.arange(length, device=dev)[None], causal, cache)[0]
     keys, values = cache.new
     pred = out[chosen]
@@ -501,6 +543,7 @@ def run_head(args) -> int:
     from cascade.train.trainer import log, train_students
     from workers.devices import resolve_dtype
     from workers.draft_vocab import DraftVocab
+    from cascade.train.head_eagle3 import head_options, unrolled_kl
     from workers.head import FeatureHead, random_head
 
     device = setup_torch(args)
@@ -518,13 +561,14 @@ def run_head(args) -> int:
         p.requires_grad_(False)
     features = Path(args.features) if args.features else records / FEATURES
     say = lambda msg: log(msg, work_dir)  # noqa: E731
-    cache_features(records, features, authority, ref, say)
-    train = load_head_data(records, features, held_out=False)
-    held = load_head_data(records, features, held_out=True)
+    init = Path(args.init[0]) if args.init else None
+    layers = head_options(args, init, authority.config.num_hidden_layers)  # EAGLE-3's options
+    cache_features(records, features, authority, ref, say, layers=layers)
+    train = load_head_data(records, features, held_out=False, layers=layers)
+    held = load_head_data(records, features, held_out=True, layers=layers)
     config = authority.config
     vocab, covered = None, 1.0
     tokenizer = load_tokenizer(path)
-    init = Path(args.init[0]) if args.init else None
     if init is not None:  # continue a head: its draft vocabulary goes with its weights
         vocab = DraftVocab.load(init)
         covered = json.loads((init / "draft_vocab.json").read_text()).get("coverage", 1.0) if vocab else 1.0
@@ -535,14 +579,14 @@ def run_head(args) -> int:
     rms = train.rms()
     objective = HeadObjective(authority.get_input_embeddings().weight, authority.get_output_embeddings().weight,
                               None if vocab is None else vocab.ids, device, args.reg_weight, args.cls_weight,
-                              args.feature_noise, rms)
+                              args.feature_noise, rms, args.ttt_steps)
     rows = 0 if args.head_lm_head == "authority" else (len(vocab.ids) if vocab is not None else config.vocab_size)
     if init is not None:
         head = FeatureHead.from_pretrained(init, dtype=torch.float32, device=device).train(False)
         rows = head.config.lm_head_rows
     else:
         head = random_head(authority, seed=args.seed + 1, intermediate_size=args.head_ffn or config.intermediate_size,
-                           lm_head_rows=rows).float()
+                           lm_head_rows=rows, fuse_layers=layers).float()
     if rows and init is None:
         with torch.no_grad():  # its own output head starts as the authority's rows
             head.lm_head.weight.copy_(objective.rows.cpu())
@@ -562,6 +606,7 @@ def run_head(args) -> int:
         return 0
     held_sampler = HeadSampler(held, args.seq_len, args.batch_size)
     metrics = evaluate_head(head, objective, held_sampler)
+    metrics["kl_by_draft_step"] = unrolled_kl(head, objective, held_sampler)
     say(f"head: held-out {_rounded(metrics)}")
     drafting = {"starts": 0}
     if args.eval_drafts > 0:
@@ -593,7 +638,9 @@ def _save_head(args, head, vocab, covered, summary, metrics, drafting, ref, feat
     if vocab is not None:
         vocab.save(out, coverage=covered)
     record = {
-        "kind": "feature head (EAGLE-1)", "authority": ref, "init": str(args.init[0]) if args.init else None, "records": str(args.records), "features": str(features),
+        "kind": "feature head (EAGLE-1" + (", fused layers" if head.config.fuse_layers else "")
+                + (", training-time test" if args.ttt_steps > 1 else "") + ")",
+        "fuse_layers": head.config.fuse_layers, "ttt_steps": args.ttt_steps, "authority": ref, "init": str(args.init[0]) if args.init else None, "records": str(args.records), "features": str(features),
         "params": params, "ffn": head.config.intermediate_size,
         "lm_head": "own" if head.lm_head is not None else "authority",
         "draft_vocab": len(vocab.ids) if vocab is not None else None, "draft_vocab_coverage": covered,
