@@ -35,6 +35,13 @@ def test_one_looping_prompt_cannot_carry_the_summary():
     assert s.median_ratio == pytest.approx(0.955) and s.geomean_ratio == pytest.approx(
         (0.95 * 0.96 * 0.94 * 0.97 * 0.95 * 50) ** (1 / 6))
     assert s.geomean_ratio < 2 and s.ci_low < 1 < s.ci_high and s.p_value > 0.5
+    # one prompt: a ratio, but no interval and no verdict
+    from cascade.tools.ab import markdown
+
+    one = summarize("a", "b", runs[:2], 1, 1, greedy=True)
+    assert one.ci_low is one.ci_high is None and one.geomean_ratio == one.median_ratio == pytest.approx(0.95)
+    text = markdown(one, runs[:2], dict(topology="t.yaml", max_new_tokens=4, temperature=0.0, seed=0))
+    assert "geometric mean: 0.950** (one prompt: no interval; median 0.950;" in text and "too few prompts" in text
 
 
 def test_sign_flip_p_value():
