@@ -99,10 +99,10 @@ def _conversation_features(authority, tokens, lengths, chunk_tokens, layers, tak
 
 
 def cache_features(records: Path, out: Path, authority, ref: str, log=print, chunk_tokens: int = 4096,
-                   layers: list[int] | None = None) -> dict:
-    """Compute the features of every record shard not yet in ``out`` (resumable to the shard);
-    returns ``features.json``'s content. ``layers``: also the inputs of those decoder layers (a
-    fused head's); a shard kept for other layers is computed again."""
+                   layers: list[int] | None = None, shards: list[Path] | None = None) -> dict:
+    """Compute the features of every record shard (of ``shards`` alone, if given) not yet in
+    ``out`` (resumable to the shard); returns ``features.json``'s content. ``layers``: also the
+    inputs of those decoder layers (a fused head's); a shard kept for other layers is computed again."""
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / META
     dtype = str(next(authority.parameters()).dtype).replace("torch.", "")
@@ -112,7 +112,7 @@ def cache_features(records: Path, out: Path, authority, ref: str, log=print, chu
     if (meta["model"], meta["dtype"], meta["hidden_size"]) != (ref, dtype, hidden):
         raise SystemExit(f"cascade distill --head: {out} holds features of {meta['model']} in {meta['dtype']} "
                          f"(width {meta['hidden_size']}), not of {ref} in {dtype}: remove it or give --features DIR")
-    shards = sorted(records.glob("shard-*.pt"))
+    shards = sorted(records.glob("shard-*.pt")) if shards is None else list(shards)
     todo = [s for s in shards if not (out / s.name).is_file()
             or meta["shards"].get(s.name, {}).get("layers") != layers]
     meta["layers"] = layers

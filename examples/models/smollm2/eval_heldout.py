@@ -70,6 +70,19 @@ def fixed_heldout(work: Path, authority: str) -> Path:
     return work
 
 
+def fused_heldout(records: Path, model, authority: str, head, every: int):
+    """The held-out shards with the features a head that fuses layers reads (EAGLE-3,
+    cascade/train/head_eagle3.py), computed once into a folder of this script's own under WORK
+    (never into the records' folder)."""
+    from cascade.train.head import cache_features, load_head_data
+    from cascade.train.records import record_shards
+
+    layers = head.config.fuse_layers
+    out = WORK / "fused-features" / f"{records.name}-layers-{'-'.join(map(str, layers))}"
+    cache_features(records, out, model, authority, layers=layers, shards=record_shards(records, True, every))
+    return load_head_data(records, out, held_out=True, held_out_every=every, layers=layers)
+
+
 def heads(folders: list[str], records: Path, authority: str, every: int = 20, temperatures=(0.0,)) -> None:
     from transformers import AutoModelForCausalLM
     from cascade.pull import PULLED, resolve_pulled
@@ -90,9 +103,10 @@ def heads(folders: list[str], records: Path, authority: str, every: int = 20, te
         ids = None if vocab is None else torch.as_tensor(vocab.ids)
         objective = HeadObjective(embed, lm_head, ids, "cpu", feature_rms=rms)
         head = FeatureHead.from_pretrained(folder, dtype=torch.float32).eval()
-        print(folder, rounded(evaluate_head(head, objective, HeadSampler(held, 256, 8))), flush=True)
+        data = held if not head.config.fuse_layers else fused_heldout(records, model, authority, head, every)
+        print(folder, rounded(evaluate_head(head, objective, HeadSampler(data, 256, 8))), flush=True)
         for t in temperatures:
-            drafting = draft_acceptance(head, objective, model, held, starts=256, answers=answers, temperature=t)
+            drafting = draft_acceptance(head, objective, model, data, starts=256, answers=answers, temperature=t)
             print(folder, f"drafting in the answers, T = {t}", json.dumps(rounded(drafting)), flush=True)
 
 
