@@ -198,8 +198,16 @@ class _Feed(NamedTuple):
     scored: int  # positions it scores for the sequence: fed beyond them is catch-up (prefill)
 
 
+# Prompt positions a long prompt's prefill computes per batch step (Batch): a few hundred keep
+# the others' steps short while costing the long request little over one piece (docs/serving.md)
+PREFILL_CHUNK = 512
+
+
 class Engine:
-    """Runs requests over a graph of workers. Backend-agnostic: workers may be local or remote."""
+    """Runs requests over a graph of workers. Backend-agnostic: workers may be local or remote.
+
+    ``prefill_chunk``: a prompt longer than this is computed that many positions per
+    :meth:`Batch.step` (:meth:`prefill`) before it joins the steps; None: in one piece."""
 
     def __init__(
         self,
@@ -210,7 +218,12 @@ class Engine:
         level_sampling: Mapping[str, SamplingOverride | None] | None = None,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         context_length: int | None = None,
+        prefill_chunk: int | None = PREFILL_CHUNK,
     ):
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk: an integer >= 1 or None (one piece), got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         self.graph = graph
         self.authority = authority
         self.workers = dict(workers)
@@ -297,6 +310,23 @@ class Engine:
             if s.state.provenance is not None:
                 s.state.provenance.append(s.record.provenance(plan, s.tokens, s.origins))
         return [s.tokens for s in seqs]
+
+    def prefill(self, group: list[RequestState], ends: list[int], levels: list[str], policy: Policy) -> None:
+        """Compute each request's prompt positions ``[0, ends[b])`` on ``levels``
+        (``Worker.prefill``: nothing sampled, nothing committed): a chunk of a long prompt, so
+        that its prefill interleaves with the others' steps (:class:`Batch`). Caches reconcile
+        with the tokens they are handed, so the step that follows computes only the rest, as
+        it computes a whole prompt otherwise. Each call is priced as a pass that catches up."""
+        seqs = [_Seq(s, _StepRecord(s.stats), s.request.prompt_ids[:e], 0) for s, e in zip(group, ends)]
+        for level in levels:
+            t0 = time.perf_counter()
+            try:
+                self.workers[level].prefill([s.state.seq_id for s in seqs], [s.prefix for s in seqs])
+            except WorkerError as exc:
+                exc.level = exc.level or level
+                raise
+            self._price(level, seqs, policy, time.perf_counter() - t0,
+                        [_Feed(s.prefix, 1, len(s.prefix), 1, 1) for s in seqs])
 
     def _extend(self, seqs: list[_Seq], i: int, plan: StepPlan, policy: Policy) -> None:
         """Fill each sequence's block with up to its budget of exact samples of level ``plan.path[i]``.
@@ -483,6 +513,12 @@ class Batch:
     :meth:`step` runs one speculative step for all active requests, every level's forward pass
     covering all of them at once.
 
+    A prompt longer than the engine's ``prefill_chunk`` is prefilled a chunk per step on every
+    level that keeps a cache (:meth:`Engine.prefill`), beside the others' steps; it joins the
+    steps when at most a chunk of it is left, which its first step computes. So a long prompt
+    holds up the others by a chunk's pass per step, not by its whole prefill. Its tokens are
+    those it gets in one piece: the levels compute the same positions, in more passes.
+
     Requests with different sampling parameters step as separate groups (a worker call shares
     one sampling configuration). A level that fails is dropped for the requests in flight.
     """
@@ -494,6 +530,7 @@ class Batch:
         self._limits: dict[str, int] = {}
         self._started: dict[str, float] = {}
         self._available: dict[str, set[str]] = {}
+        self._prefilled: dict[str, int] = {}  # a long prompt's positions its levels hold, until it steps
 
     def add(self, state: RequestState) -> RequestState:
         if state.seq_id in self._limits:
@@ -510,6 +547,9 @@ class Batch:
         self._limits[state.seq_id] = limit
         self._started[state.seq_id] = time.perf_counter()
         self._available[state.seq_id] = set(self.engine.workers)
+        chunk = self.engine.prefill_chunk
+        if chunk is not None and len(request.prompt_ids) > chunk:
+            self._prefilled[state.seq_id] = 0
         self.active.append(state)
         return state
 
@@ -519,12 +559,14 @@ class Batch:
         self._retire()  # e.g. stopped by the caller on a stop string since the last step
         groups: dict[tuple, list[RequestState]] = {}
         for state in self.active:
-            key = (state.request.sampling, frozenset(self._available[state.seq_id]), id(state.policy))
-            groups.setdefault(key, []).append(state)
+            if state.seq_id not in self._prefilled:
+                key = (state.request.sampling, frozenset(self._available[state.seq_id]), id(state.policy))
+                groups.setdefault(key, []).append(state)
         committed: list[tuple[RequestState, list[int]]] = []
         try:
             for (_, available, _), group in groups.items():
                 committed.extend(self._step_group(group, available))
+            self._prefill([s for s in self.active if s.seq_id in self._prefilled])
         finally:
             self._retire()
         return committed
@@ -536,16 +578,43 @@ class Batch:
         ctx = PlanContext(engine.graph, engine.authority, max(remaining), min(s.stats.steps for s in group),
                           available, batch_size=len(self.active), sampled=not group[0].request.sampling.greedy)
         plan = policy.plan(ctx)
+        ok, outs = self._guarded(group, lambda: engine.step(group, plan, remaining, policy))
+        if not ok:
+            return []  # redo the step without the level next time; nothing was committed
+        return [(state, self._commit(state, new)) for state, new in zip(group, outs)]
+
+    def _prefill(self, states: list[RequestState]) -> None:
+        """One chunk more of each long prompt still prefilling, on the levels with a cache that
+        the request may use (grouped as steps are, by those levels and policy)."""
+        chunk, workers = self.engine.prefill_chunk, self.engine.workers
+        groups: dict[tuple, list[RequestState]] = {}
+        for state in states:
+            groups.setdefault((frozenset(self._available[state.seq_id]), id(state.policy)), []).append(state)
+        for (available, _), group in groups.items():
+            ends = [self._prefilled[s.seq_id] + chunk for s in group]
+            levels = [name for name, w in workers.items() if name in available and w.can_score]
+            policy = group[0].policy or self.policy
+            if not self._guarded(group, lambda: self.engine.prefill(group, ends, levels, policy))[0]:
+                continue  # again next step, without the level that failed
+            for state, end in zip(group, ends):
+                if len(state.request.prompt_ids) - end > chunk:
+                    self._prefilled[state.seq_id] = end
+                else:  # the rest, at most a chunk, is computed by its first step
+                    del self._prefilled[state.seq_id]
+
+    def _guarded(self, group: list[RequestState], call) -> tuple[bool, object]:
+        """``(True, call())``; ``(False, None)`` where a draft level failed (it is left out for
+        ``group`` from now on). A failing authority ends the group's requests ("error") and
+        raises, with what each had committed (``exc.partial``)."""
         try:
-            outs = engine.step(group, plan, remaining, policy)
+            return True, call()
         except WorkerError as exc:
             if not self._drop_level(exc, group):
                 for s in group:
                     s.finish_reason = s.finish_reason or "error"
                 exc.partial = {s.seq_id: list(s.generated) for s in group} if len(group) > 1 else list(group[0].generated)
                 raise
-            return []  # redo the step without the level next time; nothing was committed
-        return [(state, self._commit(state, new)) for state, new in zip(group, outs)]
+            return False, None
 
     def _commit(self, state: RequestState, new: list[int]) -> list[int]:
         """Append a step's tokens to the request (up to an EOS) and settle whether it finished."""
@@ -591,6 +660,7 @@ class Batch:
             state.stats.wall_seconds = time.perf_counter() - self._started.pop(state.seq_id)
             self._limits.pop(state.seq_id)
             self._available.pop(state.seq_id)
+            self._prefilled.pop(state.seq_id, None)
         for w in self.engine.workers.values():
             w.release([s.seq_id for s in done])
 

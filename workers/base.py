@@ -78,6 +78,15 @@ class Worker(abc.ABC):
         """Logits ``[num_positions[b], vocab]`` for each sequence ``b``: row ``j`` predicts the
         token after ``token_ids[b][len - num_positions[b] + j]``. One forward pass per call."""
 
+    def prefill(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> None:
+        """Compute and keep each sequence's positions ``token_ids[b]`` (all of them: a chunk of a
+        prompt), sampling nothing, so that a later call finds them cached. A level without a
+        cache to fill (``can_score`` False: prompt lookup, a feature head that catches up from
+        its source's features when it drafts) does nothing. This version scores the last
+        position and drops its row; a worker with a cheaper way overrides it."""
+        if self.can_score and seq_ids:
+            self.score(seq_ids, token_ids, [1] * len(seq_ids))
+
     def score_probs(
         self,
         seq_ids: Sequence[str],

@@ -305,6 +305,24 @@ class Pool:
         self._feed_long_rows_first(rows, news, num_positions)
         return self._forward(rows, news, num_positions)
 
+    def prefill(self, seq_ids, token_ids) -> None:
+        """:meth:`Worker.prefill <workers.base.Worker.prefill>` for sequences of the pool (those
+        new to it join): each row's uncached tokens in a pass of these rows alone, logits dropped.
+        A chunk of a long prompt fed in a pass of every row would widen the others' pass to its
+        length; a row that holds nothing yet fills columns it does not use (no holes for the
+        others), as a sequence joining a running batch does."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("prefill: a sequence appears twice in one call")
+        rows = self._seat(seq_ids)
+        news = self._reconcile(rows, token_ids, [1] * len(rows))
+        fresh = [i for i, r in enumerate(rows) if not self.cols[r] and self.kbufs is not None
+                 and len(news[i]) <= self.used]
+        if fresh:
+            self._prefill_fresh([rows[i] for i in fresh], [news[i] for i in fresh])
+        others = [i for i in range(len(rows)) if i not in fresh]
+        if others:
+            self._forward([rows[i] for i in others], [news[i] for i in others], [1] * len(others), subset=True)
+
     def score_tree(self, seq_ids, token_ids, trees) -> list[torch.Tensor]:
         """:meth:`Worker.score_tree <workers.base.Worker.score_tree>` for sequences of the pool:
         reconcile each row with its committed tokens (its last one uncached: the root's row),
