@@ -275,3 +275,18 @@ def _check_table_plot(path, results, tmp_path, monkeypatch):
 def _tokens_in_first_chunks(result, count) -> int:
     """Tokens after the first in each request's first chunk (they have no gap either)."""
     return sum(bs.chunk_token_counts(r["chunk_texts"], r["tokens"], count)[0] - 1 for r in result["records"])
+
+
+def test_a_mixed_length_load_reports_short_and_long_requests_apart():
+    """--long-prompt-tokens / --long-every: requests 0, K, 2K, ... send the long prompt, and the
+    short and long requests' time to first token are reported apart."""
+    client = ScriptedClient()
+    load = bs.Load(["p0", "p1"], num_requests=7, max_seconds=60, concurrency=1, long_prompt="LONG", long_every=3)
+    records = asyncio.run(bs.run_load(client, "m", load))
+    assert [b["prompt"] for b in client.bodies] == ["LONG", "p1", "p0", "LONG", "p0", "p1", "LONG"]
+    assert [r.long for r in records] == [True, False, False, True, False, False, True]
+    s = bs.summarize(records)
+    assert s["by_length"]["short"]["ttft"]["n"] == 4 and s["by_length"]["long"]["ttft"]["n"] == 3
+    line = bs.length_lines([{"label": "mixed", "summary": s}])
+    assert line.startswith("mixed: short (4) TTFT med / p99 ms ") and "long (3, [2] prompt tokens)" in line
+    assert "by_length" not in bs.summarize(records[1:3]) and bs.length_lines([{"label": "x", "summary": bs.summarize(records[1:3])}]) == ""

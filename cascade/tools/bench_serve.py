@@ -63,6 +63,7 @@ class Record:
     error: str | None = None
     status: int | None = None  # the HTTP status of a refused request
     cancelled: bool = False  # still running at --max-seconds
+    long: bool = False  # sent the long prompt of a mixed-length load (--long-prompt-tokens)
 
     @property
     def ok(self) -> bool:
@@ -190,7 +191,34 @@ def summarize(records: Sequence[Record], count: Callable[[str], int] | None = No
         "e2e": distribution([m.e2e for m in metrics]),
         "tokens_per_chunk": tokens / max(1, sum(len(r.chunk_times) for r in done)) if done else None,
         "errors": errors,
+        **({"by_length": by_length(done, count)} if any(r.long for r in records) else {}),
     }
+
+
+def by_length(done: Sequence[Record], count: Callable[[str], int] | None = None) -> dict[str, Any]:
+    """A mixed-length load's latencies apart: the short requests' and the long ones'."""
+    out = {}
+    for name, long in (("short", False), ("long", True)):
+        metrics = [request_metrics(r, count) for r in done if r.long == long]
+        out[name] = {"ttft": distribution([m.ttft for m in metrics]), "e2e": distribution([m.e2e for m in metrics]),
+                     "prompt_tokens": sorted({r.prompt_tokens for r in done if r.long == long and r.prompt_tokens})}
+    return out
+
+
+def length_lines(results: Sequence[dict[str, Any]]) -> str:
+    """One line per mixed-length run: time to first token and end to end, short and long apart."""
+    def ms(d, key):
+        return "-" if d[key]["median_ms"] is None else f"{d[key]['median_ms']:.0f} / {d[key]['p99_ms']:.0f}"
+
+    lines = []
+    for res in results:
+        split = res["summary"].get("by_length")
+        if split:
+            short, long = split["short"], split["long"]
+            lines.append(f"{res['label']}: short ({short['ttft']['n']}) TTFT med / p99 ms {ms(short, 'ttft')}, "
+                         f"e2e {ms(short, 'e2e')}; long ({long['ttft']['n']}, {long['prompt_tokens']} prompt "
+                         f"tokens) TTFT {ms(long, 'ttft')}, e2e {ms(long, 'e2e')}")
+    return "\n".join(lines)
 
 
 # Figures of one repeat whose spread over repeats is reported (name -> how to read it off a summary)
@@ -259,6 +287,14 @@ class Load:
     chat: bool = False
     body: dict[str, Any] = field(default_factory=dict)  # max_tokens, temperature, seed, ...
     arrival_seed: int = 0
+    long_prompt: str | None = None  # a mixed-length load: request i sends it where i % long_every == 0
+    long_every: int = 0
+
+    def prompt(self, i: int) -> tuple[str, bool]:
+        """Request ``i``'s prompt, and whether it is the long one."""
+        if self.long_prompt is not None and self.long_every and i % self.long_every == 0:
+            return self.long_prompt, True
+        return self.prompts[i % len(self.prompts)], False
 
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:
@@ -319,7 +355,7 @@ async def run_load(client, model: str, load: Load) -> list[Record]:
 async def _stream(client, model: str, load: Load, i: int, r: Record) -> None:
     import openai
 
-    prompt = load.prompts[i % len(load.prompts)]
+    prompt, r.long = load.prompt(i)
     body = dict(load.body)
     if body.get("seed") is not None:  # request i samples with seed + i
         body["seed"] += i
@@ -502,6 +538,12 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=types.top_p, default=None)
     p.add_argument("--seed", type=types.seed, default=None,
                    help="request seed (request i gets seed + i) and the Poisson arrivals' seed")
+    p.add_argument("--long-prompt-tokens", type=types.positive_int, default=None, metavar="N",
+                   help="a mixed-length load: every --long-every-th request (the first included) sends a prompt of "
+                        "N tokens (the prompts' texts cycled, counted with --tokenizer, which it needs); the short "
+                        "and long requests' latencies are reported apart")
+    p.add_argument("--long-every", type=types.positive_int, default=4, metavar="K",
+                   help="with --long-prompt-tokens: requests 0, K, 2K, ... are long (default 4)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer to count each chunk's tokens (default: in proportion to characters)")
     p.add_argument("--label", default=None, help="the run's name in the table (default: URL and load)")
@@ -534,12 +576,20 @@ def main(args) -> int:
         return 2
     prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     count = _token_counter(args.tokenizer) if args.tokenizer else None
+    long_prompt = None
+    if args.long_prompt_tokens:
+        if not args.tokenizer:
+            print("cascade bench-serve: error: --long-prompt-tokens needs --tokenizer (to count the long prompt's "
+                  "tokens)", file=sys.stderr)
+            return 2
+        long_prompt = make_long_prompt(prompts, args.long_prompt_tokens, args.tokenizer)
     body: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.top_p is not None:
         body["top_p"] = args.top_p
     load = Load(prompts, args.num_requests or len(prompts), args.max_seconds,
                 concurrency=args.concurrency or (None if args.request_rate else 1), rate=args.request_rate,
-                chat=args.endpoint == "chat", body=body, arrival_seed=args.seed or 0)
+                chat=args.endpoint == "chat", body=body, arrival_seed=args.seed or 0,
+                long_prompt=long_prompt, long_every=args.long_every if long_prompt else 0)
     per_repeat, model = asyncio.run(_bench(args, load))
     records = [r for rs in per_repeat for r in rs]
     summary = summarize_repeats(per_repeat, count)
@@ -576,6 +626,17 @@ async def _bench(args, load: Load) -> tuple[list[list[Record]], str]:
         await client.close()
 
 
+def make_long_prompt(prompts: Sequence[str], tokens: int, tokenizer: str) -> str:
+    """A prompt of ``tokens`` tokens (by ``tokenizer``): the prompts' texts cycled, cut there."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    ids: list[int] = []
+    while len(ids) < tokens:
+        ids += tok.encode("\n\n".join(prompts) + "\n\n", add_special_tokens=False)
+    return tok.decode(ids[:tokens])
+
+
 def _token_counter(path: str) -> Callable[[str], int]:
     from transformers import AutoTokenizer
 
@@ -586,6 +647,8 @@ def _token_counter(path: str) -> Callable[[str], int]:
 def _emit(results: list[dict[str, Any]], args, raw) -> None:
     machines = sorted({machine_line(r["machine"]) for r in results if r.get("machine")})
     table = "".join(line + "\n" for line in machines) + markdown_table(results)
+    if lengths := length_lines(results):
+        table += "\n\n" + lengths
     print(table)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
