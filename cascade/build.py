@@ -111,11 +111,16 @@ def build_worker(
         try:
             return HFWorker(model_path, level.dtype, device or level.device, level.trust_remote_code,
                             gguf_file=level.gguf_file, packed_weights=level.packed_weights,
+                            batch_invariant=level.batch_invariant,
                             quantize=level.quantize)
         except (OSError, SafetensorError) as exc:
             raise TopologyError(f"{where}: cannot load: {exc}") from None
         except QuantError as exc:
             raise TopologyError(f"{source}: levels[{index}].quantize: {exc}") from None
+        except ValueError as exc:
+            if not str(exc).startswith("batch_invariant:"):
+                raise
+            raise TopologyError(f"{source}: levels[{index}].{exc}") from None
     if level.kind == "ngram":
         from workers.ngram import NGramWorker
 

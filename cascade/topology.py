@@ -74,6 +74,12 @@ class LevelSpec(BaseModel):
         "groups of the GGUF the model came from (gguf_file, or the one `cascade pull` kept); int4, "
         "groups made from the float weights (an approximation of the model). Needs a bfloat16 "
         "level on a CPU, else it multiplies from the float weights; hf only.")
+    batch_invariant: Literal["auto"] | bool = Field(
+        False, description="A position's logits do not depend on how many positions and rows a pass "
+        "scores, bit for bit, so greedy output equals one-token-at-a-time decoding and a seed gives the "
+        "same tokens whatever the policy and the load (docs/exactness.md, 'Batch invariance'); it costs "
+        "a share of each pass. true needs a bfloat16 level on a CPU where oneDNN computes it natively "
+        "(AVX-512 BF16, AMX) and a model the lean forward runs; auto: on where that holds; hf only.")
     resources: Resources = Field(default_factory=Resources, description="Ray resources for this level.")
     sampling: SamplingOverride | None = Field(None, description="Draft-only sampling overrides.")
     params: dict[str, Any] = Field(
@@ -95,6 +101,8 @@ class LevelSpec(BaseModel):
             raise ValueError("an 'ngram' level takes no 'model'")
         if self.gguf_file is not None and self.kind != "hf":
             raise ValueError("'gguf_file' is for 'hf' levels")
+        if "batch_invariant" in self.model_fields_set and self.kind != "hf":
+            raise ValueError("'batch_invariant' is for 'hf' levels")
         if "packed_weights" in self.model_fields_set and self.kind != "hf":
             raise ValueError("'packed_weights' is for 'hf' levels")
         if self.quantize is not None and self.kind != "hf":

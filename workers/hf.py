@@ -26,7 +26,7 @@ from workers.base import DTYPES, Worker, common_prefix
 from workers.devices import resolve_device, resolve_dtype
 from workers.draft_vocab import DraftVocab
 from workers.features import FeatureStore, capture_layer_inputs, check_layers
-from workers.lean import attention_mask, lean_forward
+from workers.lean import attention_mask, batch_invariant_setting, lean_forward
 from workers.pool import Pool, growing_cache, poolable
 from workers.trees import Pending, accepted_path, as_tree, depths, window_mask
 
@@ -49,6 +49,7 @@ class HFWorker(Worker):
         lean: bool = True,
         gguf_file: str | None = None,
         packed_weights: bool = True,
+        batch_invariant: bool | str = False,
         quantize: str | None = None,
     ):
         from transformers import AutoModelForCausalLM
@@ -69,6 +70,7 @@ class HFWorker(Worker):
             from workers.quant import Quantizer
 
             quantized = Quantizer.build(self.model, quantize, model, gguf_file)
+        self._invariant = batch_invariant  # resolved for the loaded model by _setup
         self._setup(lean, DraftVocab.load(model) if not gguf_file else None, packed_weights, quantized)
 
     def _setup(self, lean: bool, draft_vocab: DraftVocab | None = None, packed_weights: bool = True,
@@ -88,8 +90,14 @@ class HFWorker(Worker):
         # transformers' forward minus its per-call plumbing, where the model is one it knows
         # (packed_weights: float32 products on a CPU from copies laid out for them, workers/lean.py)
         self._pack = None if packed_weights else False
+        # a position's logits whatever the pass's width and rows (topology batch_invariant; workers/lean.py)
+        self._invariant = batch_invariant_setting(getattr(self, "_invariant", False), self.model)
         self._quantized = quantized
-        self.lean = lean_forward(self.model, pack=self._pack, quantized=quantized) if lean else None
+        self.lean = (lean_forward(self.model, pack=self._pack, quantized=quantized,
+                                  batch_invariant=self._invariant) if lean else None)
+        if self._invariant and self.lean is None:
+            raise ValueError("batch_invariant: the level's model is not one the lean forward runs "
+                             "(workers/lean.py), which batch invariance needs")
         if quantized is not None:
             if self.lean is None:
                 raise ValueError("quantize: the level's model is not one the lean forward runs "
@@ -129,7 +137,8 @@ class HFWorker(Worker):
         store = self._features = FeatureStore(hidden * len(layers or [None]), layers)
         if self.lean is not None:  # before the hook below, which the lean forward would refuse
             self.lean = lean_forward(self.model, capture=store.capture, pack=self._pack,
-                                     capture_layers=layers, quantized=self._quantized)
+                                     capture_layers=layers, quantized=self._quantized,
+                                     batch_invariant=self._invariant)
         # transformers' forward (no lean one, and the per-sequence fallback's batched passes): the
         # base model's output is the final norm's, at every position
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model

@@ -135,9 +135,11 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = attention_mask(valid, width, layers[0].get_seq_length() + width, hidden.device, among)
         fold = groups > 1 and (1 < width <= FOLD_MOST_POSITIONS or (width == 1 and fold_one) or batch_invariant)
-        if batch_invariant and mask is None:
-            mask = torch.ones(rows, 1, width, layers[0].get_seq_length() + width, dtype=torch.bool,
-                              device=hidden.device)
+        if batch_invariant:  # each row's columns in its own order from column 0 (invariant_columns)
+            if mask is None:
+                mask = torch.ones(rows, 1, width, layers[0].get_seq_length() + width, dtype=torch.bool,
+                                  device=hidden.device)
+            gather, mask = invariant_columns(mask, per_position=among is not None)
         if fold and mask is not None:  # (never None over several positions)
             mask = mask.repeat(1, 1, groups, 1)
         taken = {}  # the inputs of the layers a fused feature reads
@@ -156,8 +158,14 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
             k = k * cos + rotate_half(k) * sin
             keys, values = cache.update(k, v)
             if batch_invariant:
-                folded = q.reshape(rows, -1, groups * width, head_dim)
-                out = invariant_attention(folded, keys, values, mask, scaling).reshape(rows, -1, width, head_dim)
+                if gather is not None:
+                    picked = gather.expand(-1, keys.shape[1], -1, head_dim)
+                    keys, values = keys.gather(2, picked), values.gather(2, picked)
+                if among is not None:  # a tree: each position over its own keys (invariant_columns)
+                    out = _per_position_attention(q, keys, values, mask, scaling, groups)
+                else:
+                    folded = q.reshape(rows, -1, groups * width, head_dim)
+                    out = invariant_attention(folded, keys, values, mask, scaling).reshape(rows, -1, width, head_dim)
             elif fold:
                 out = F.scaled_dot_product_attention(q.reshape(rows, -1, groups * width, head_dim), keys, values,
                                                      attn_mask=mask, scale=scaling).reshape(rows, -1, width, head_dim)
@@ -219,6 +227,51 @@ def invariant_attention(q, keys, values, mask, scale: float) -> torch.Tensor:
         total = total + weight
         merged = merged + weight.unsqueeze(-1) * out.float()
     return (merged / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).to(q.dtype)
+
+
+def invariant_columns(mask: torch.Tensor, per_position: bool = False):
+    """``(gather, mask)`` for :func:`invariant_attention`: where a row's columns (those any of its
+    positions sees) are not the first ones in the cache — a pool's left padding and holes, which
+    other rows' lengths decide — an index that gathers each row's keys/values to columns
+    ``0..n-1`` in their order (``[rows, 1, n, 1]``), and the mask over them; else ``(None, mask)``.
+    A position's attention then reads its keys at the same offsets (the same blocks, the same
+    lanes) however its row sits among others; the columns past its own that it does not see are
+    trailing, which the blocks make harmless. ``per_position`` (a tree, whose nodes skip their
+    siblings' columns): each position's own columns, ``[rows, 1, width * n, 1]`` and a mask
+    ``[rows * width, 1, 1, n]``, so that a node reads its keys as its path would as a chain."""
+    if per_position:
+        seen = mask[:, 0]  # [rows, width, columns]
+        most = int(seen.sum(-1).max())
+        order = torch.argsort((~seen).to(torch.uint8), dim=-1, stable=True)[..., :most]
+        rows, width = seen.shape[:2]
+        return order.reshape(rows, 1, width * most, 1), seen.gather(2, order).reshape(rows * width, 1, 1, most)
+    row_seen = mask[:, 0].any(1)  # [rows, columns]
+    most = int(row_seen.sum(-1).max())
+    if bool(row_seen[:, :most].all()):
+        return None, mask
+    order = torch.argsort((~row_seen).to(torch.uint8), dim=-1, stable=True)[:, :most]  # seen first, in order
+    mask = mask.gather(3, order[:, None, None, :].expand(-1, 1, mask.shape[2], -1))
+    return order[:, None, :, None], mask
+
+
+def _per_position_attention(q, keys, values, mask, scale: float, groups: int) -> torch.Tensor:
+    """:func:`invariant_attention` with each position of ``q`` ``[rows, heads, width, d]`` over
+    its own gathered keys ``[rows, kv_heads, width * n, d]`` (:func:`invariant_columns`)."""
+    rows, heads, width, d = q.shape
+    kv = heads // groups
+    q = q.reshape(rows, kv, groups, width, d).permute(0, 3, 1, 2, 4).reshape(rows * width, kv, groups, d)
+    keys, values = (t.reshape(rows, kv, width, -1, d).transpose(1, 2).reshape(rows * width, kv, -1, d)
+                    for t in (keys, values))
+    out = invariant_attention(q, keys, values, mask.expand(-1, -1, groups, -1), scale)
+    return out.reshape(rows, width, kv, groups, d).permute(0, 2, 3, 1, 4).reshape(rows, heads, width, d)
+
+
+def batch_invariant_setting(setting: bool | str, model) -> bool:
+    """A level's ``batch_invariant`` (true, false or auto) for ``model``: auto is on where the lean
+    forward can be batch-invariant (:func:`batch_invariance_unsupported`); true is checked there."""
+    if setting == "auto":
+        return batch_invariance_unsupported(model) is None
+    return bool(setting)
 
 
 def batch_invariance_unsupported(model) -> str | None:
