@@ -84,6 +84,7 @@ class Cascade:
                 {lv.name: lv.sampling for lv in spec.levels},
                 eos_token_ids=eos,
                 context_length=getattr(auth_worker, "context_length", None),
+                prefill_chunk=spec.prefill_chunk,
             )
         except PolicyError as exc:
             raise TopologyError(f"{topology.source}: policy.{exc}") from None

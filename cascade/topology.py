@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import networkx as nx
 import yaml
@@ -189,6 +189,9 @@ class TopologySpec(BaseModel):
     backend: Literal["local", "ray"] = Field("local", description="Where levels run.")
     ray: RaySpec = Field(default_factory=RaySpec, description="Ray backend settings (backend: ray).")
     serve: ServeSpec = Field(default_factory=ServeSpec, description="Ray Serve settings (cascade serve --backend ray).")
+    prefill_chunk: Annotated[int, Field(ge=1, strict=True)] | None = Field(
+        512, description="A prompt longer than this is prefilled this many positions per batch step, "
+        "between the other requests' steps (docs/serving.md, 'Long prompts'); null: in one piece.")
 
     @model_validator(mode="after")
     def _names(self) -> "TopologySpec":

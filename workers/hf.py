@@ -253,6 +253,19 @@ class HFWorker(Worker):
         return [vocab.to_authority_rows(r) for r in self._draft_rows(seq_ids, token_ids, num_positions)]
 
     @torch.inference_mode()
+    def prefill(self, seq_ids, token_ids) -> None:
+        """:meth:`Worker.prefill <workers.base.Worker.prefill>` (a chunk of a long prompt) goes
+        straight into the pool, in a pass of its own rows: a sequence prefilled in a cache of its
+        own would be computed again when it joins the pool."""
+        self._decide_pool()
+        if not self._pool or not seq_ids:
+            return super().prefill(seq_ids, token_ids)
+        for s in seq_ids:
+            self._caches.pop(s, None)
+        vocab = self.draft_vocab  # a trimmed drafter's cache holds draft ids
+        self._pool.prefill(seq_ids, [vocab.to_draft(t) for t in token_ids] if vocab is not None else token_ids)
+
+    @torch.inference_mode()
     def _next_logits(self, seq_ids, token_ids) -> list[torch.Tensor]:
         vocab = self.draft_vocab
         if vocab is None:
