@@ -64,7 +64,7 @@ class LevelSpec(BaseModel):
     trust_remote_code: bool = Field(False, description="Allow the model repo's own code (hf only).")
     packed_weights: bool = Field(
         True, description="On a CPU, multiply the weights from a copy laid out for the pass: in "
-        "float32 the few-row kernel's blocks (workers/few_rows.py) for passes of up to 32 rows at "
+        "float32 the few-row kernel's blocks (workers/kernels/few_rows.py) for passes of up to 32 rows at "
         "one thread, else oneDNN's prepacked layout with the weights stored column-major for "
         "one-row passes; in bfloat16 (where oneDNN computes it natively) oneDNN's prepacked layout "
         "for every pass — faster, for that much memory once more; false saves the memory and "

@@ -132,7 +132,7 @@ def family_topology(root: Path, levels: list[str], ngram: bool = False, **extra)
 @pytest.fixture
 def without_few_rows(monkeypatch):
     """The lean forward's several-row and one-row products as where the few-row kernel is not
-    available (workers/few_rows.py): oneDNN from prepacked copies, column-major weights."""
-    from workers import few_rows
+    available (workers/kernels/few_rows.py): oneDNN from prepacked copies, column-major weights."""
+    from workers.kernels import few_rows
 
     monkeypatch.setattr(few_rows, "_state", {"fn": None, "reason": "turned off by a test"})

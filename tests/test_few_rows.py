@@ -1,4 +1,4 @@
-"""The few-row matrix kernel (workers/few_rows.py): float32's products to rounding, each row's
+"""The few-row matrix kernel (workers/kernels/few_rows.py): float32's products to rounding, each row's
 product independent of the rows beside it, torch's own products wherever the kernel does not
 apply, and a clear fallback where it cannot be built."""
 from __future__ import annotations
@@ -14,18 +14,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers import few_rows
+from workers.kernels import few_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 available = pytest.mark.skipif(not few_rows.enabled(), reason=f"few-row kernel not used here: {few_rows.why_not()}")
 
 
-def test_the_kernel_is_used_where_the_machine_can_build_it():
-    """A CPU with AVX2 and FMA and a C compiler gets the kernel: a build that fails there is a
-    regression, not a reason to skip the tests below."""
+def _build(tmp_path: Path, env: dict | None = None) -> list[Path]:
+    """The package's extension built as ``pip install`` builds it (setup.py), into ``tmp_path``."""
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                           "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr  # an optional extension: its failure fails no install
+    return list((tmp_path / "lib").rglob("_few_rows*"))
+
+
+def test_the_packaged_build_compiles_and_passes_its_check(tmp_path):
+    """A CPU with AVX2 and FMA and a C compiler gets the kernel from the package's build: a build
+    that fails there is a regression, not a reason to skip the tests below."""
     if few_rows._unsupported() is not None or shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip(f"not buildable here: {few_rows._unsupported() or 'no C compiler'}")
-    assert few_rows.enabled(), few_rows.why_not()
+    built = _build(tmp_path)
+    assert len(built) == 1, built
+    assert few_rows._check(few_rows._load(built[0])) is None
 
 
 @available
@@ -75,8 +86,8 @@ def test_torch_s_own_product_wherever_the_kernel_does_not_apply():
     assert few_rows.product(weight.to(torch.bfloat16), None) is None
 
 
-def _probe(env: dict) -> str:
-    code = "from workers import few_rows; print(few_rows.enabled(), '|', few_rows.why_not())"
+def _probe(env: dict, first: str = "") -> str:
+    code = first + "from workers.kernels import few_rows; print(few_rows.enabled(), '|', few_rows.why_not())"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -84,11 +95,14 @@ def _probe(env: dict) -> str:
 
 
 def test_no_compiler_or_turned_off_is_a_clear_fallback(tmp_path):
+    """Without a compiler the install skips the extension, and a process without it says why and
+    keeps torch's products."""
     assert _probe({"CASCADE_FEW_ROWS": "0"}) == "False | CASCADE_FEW_ROWS=0"
     if few_rows._unsupported() is not None:
         pytest.skip(few_rows._unsupported())
-    out = _probe({"CC": str(tmp_path / "no-such-compiler"), "CASCADE_CACHE": str(tmp_path / "cache")})
-    assert out.startswith("False | building it failed"), out
+    assert _build(tmp_path, {"CC": str(tmp_path / "no-such-compiler")}) == []
+    out = _probe({}, first="import sys; sys.modules['workers.kernels._few_rows'] = None; ")
+    assert out.startswith("False | not built"), out
 
 
 @available
@@ -137,7 +151,7 @@ def test_a_lean_worker_with_the_kernel_scores_like_one_without():
 def test_the_layout_is_chosen_for_the_thread_count_at_load():
     """The kernel is single-threaded: a model loaded at one thread gets its blocked copies, one
     loaded at more gets oneDNN's prepacked copies and column-major weights (workers/lean.py)."""
-    from workers.lean import linear_product
+    from workers.kernels.products import linear_product
 
     threads = torch.get_num_threads()
     try:

@@ -147,7 +147,8 @@ def test_several_row_passes_through_prepacked_weights_keep_float32_products(with
     like the unpacked one through rollbacks."""
     import torch.nn.functional as F
 
-    from workers.lean import PACK_MIN_ELEMENTS, _linear_op, _packable
+    from workers.kernels.products import PACK_MIN_ELEMENTS
+    from workers.lean import _linear_op, _packable
 
     torch.manual_seed(0)
     module = torch.nn.Linear(576, 1024, bias=True)  # 589,824 elements: packed
@@ -192,7 +193,8 @@ def test_bfloat16_products_come_from_prepacked_copies():
     packed worker scores like the unpacked one through rollbacks. Elsewhere nothing is packed."""
     import torch.nn.functional as F
 
-    from workers.lean import _linear_op, _packable, own_product, packable
+    from workers.kernels.products import own_product, packable
+    from workers.lean import _linear_op, _packable
 
     torch.manual_seed(0)
     small = torch.nn.Linear(64, 48).to(torch.bfloat16)

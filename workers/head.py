@@ -58,7 +58,7 @@ from torch import nn
 
 from workers.base import Worker, common_prefix, grow_children
 from workers.draft_vocab import DraftVocab
-from workers.lean import linear_product, own_product, packable
+from workers.kernels.products import linear_product, own_product, packable
 
 CONFIG = "head_config.json"
 WEIGHTS = "model.safetensors"

@@ -13,7 +13,7 @@ from cascade.errors import RequestError
 def as_loaded(model):
     """``model`` as transformers loaded it, for the baselines that run transformers' own forward
     on a level's model: the model itself, or — where the lean forward stored large weights
-    column-major for its one-row passes (:func:`workers.lean.column_major`, used where the
+    column-major for its one-row passes (:func:`workers.kernels.products.column_major`, used where the
     few-row kernel is not), which would also change what transformers' kernels cost — a copy
     with every parameter row-major again, made once per model (memory: the model once more) and
     kept beside it. Values are the same."""

@@ -1,4 +1,4 @@
-"""What a SmolLM2-135M-Instruct pass costs with and without the few-row kernel (workers/few_rows.py).
+"""What a SmolLM2-135M-Instruct pass costs with and without the few-row kernel (workers/kernels/few_rows.py).
 
 Two lean workers of the pulled model side by side in one process, one multiplying through the
 kernel and one through torch's products (oneDNN from prepacked copies, MKL over column-major
@@ -29,7 +29,7 @@ def main() -> None:
 
     from cascade.pull import cache_dir
     from cascade.tools.cost_curve import measure
-    from workers import few_rows
+    from workers.kernels import few_rows
     from workers.devices import native_bf16
     from workers.hf import HFWorker
 

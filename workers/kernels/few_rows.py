@@ -6,7 +6,8 @@ by reading the weights, so on paper the block costs what one row costs — the p
 speculative decoding. MKL's and oneDNN's kernels do not get there for a few rows on an AVX2 CPU
 (docs/engine.md has what a whole pass costs with each; docs/results-log.md the products alone).
 
-This module compiles, once per machine, a small C kernel for it: the weight is copied into
+The kernel (``few_rows.c`` beside this file, a small C function built with the package as an
+optional extension: setup.py) does this: the weight is copied into
 blocks of 16 output columns, each stored ``[in, 16]`` so that a block streams contiguously from
 memory, and the block is multiplied by up to 4 rows kept in registers (AVX2 fused multiply-add;
 a single row works on two blocks at once). Every output element is the same sequential sum over
@@ -16,9 +17,10 @@ products rounded in another order than MKL's: ~1e-6 relative; cascade/DESIGN.md 
 
 It is used where all of this holds, else the caller keeps torch's own products:
 
-* an x86-64 CPU with AVX2 and FMA, and a C compiler (``$CC``, else ``cc``) to build the kernel
-  into ``$CASCADE_CACHE/kernels`` (a few hundred milliseconds, once; a build or check that fails
-  logs why, once, and is not retried in the process);
+* an x86-64 CPU with AVX2 and FMA, and the extension built when the package was installed
+  (``pip install -e .`` builds it where a C compiler is found and skips it otherwise; a source
+  tree not installed: ``python setup.py build_ext --inplace``); where it is missing, or its
+  load or check fails, that is logged once and not retried in the process;
 * the kernel's products match ``F.linear`` on a probe when it is loaded;
 * torch runs one intra-op thread (the kernel is single-threaded: :mod:`workers.lean` builds a
   level's products for it only where the level loads at one thread, and a pass run at more goes
@@ -29,12 +31,9 @@ It is used where all of this holds, else the caller keeps torch's own products:
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -44,72 +43,12 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 BLOCK = 16  # output columns per block: two 8-float AVX2 registers per row
-# More rows than this go to MKL, whose blocked product overtakes this kernel between 32 and 64
-# rows (docs/results-log.md).
+# More rows than this go to MKL, whose blocked product overtakes this kernel (docs/results-log.md).
 MAX_ROWS = 32
 # Weights smaller than this stay with F.linear: a call's fixed cost is not worth saving there.
 MIN_ELEMENTS = 1 << 16
 
-_SOURCE = r"""
-#include <immintrin.h>
-#define BLOCK 16
-/* MM rows of x [rows, K] times NBB consecutive blocks of the blocked weight ([K, 16] each):
-   out[(b * MM + m) * 16 + j]. Every output is the same sequential fused multiply-add over k,
-   from zero, whatever MM and NBB. */
-#define TILE(MM, NBB) \
-static void tile_##MM##_##NBB(const float* restrict x, long K, const float* restrict w, \
-                              float* restrict out) { \
-  __m256 a[NBB][MM][2]; \
-  _Pragma("GCC unroll 16") for (int b = 0; b < NBB; b++) \
-  _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) { \
-    a[b][m][0] = _mm256_setzero_ps(); a[b][m][1] = _mm256_setzero_ps(); } \
-  for (long k = 0; k < K; k++) { \
-    _Pragma("GCC unroll 16") for (int b = 0; b < NBB; b++) { \
-      const float* wk = w + (b * K + k) * BLOCK; \
-      __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8); \
-      _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) { \
-        __m256 s = _mm256_broadcast_ss(x + m * K + k); \
-        a[b][m][0] = _mm256_fmadd_ps(s, w0, a[b][m][0]); \
-        a[b][m][1] = _mm256_fmadd_ps(s, w1, a[b][m][1]); } } } \
-  for (int b = 0; b < NBB; b++) for (int m = 0; m < MM; m++) { \
-    _mm256_storeu_ps(out + (b * MM + m) * BLOCK, a[b][m][0]); \
-    _mm256_storeu_ps(out + (b * MM + m) * BLOCK + 8, a[b][m][1]); } }
-TILE(1, 2) TILE(1, 1) TILE(2, 2) TILE(2, 1) TILE(3, 1) TILE(4, 1)
 
-static void put(const float* out, int mm, int nbb, const float* bias, float* y, long N, long nb,
-                long m0) {
-  for (int b = 0; b < nbb; b++) {
-    long c0 = (nb + b) * BLOCK;
-    int cols = (int)(N - c0 < BLOCK ? N - c0 : BLOCK);
-    for (int m = 0; m < mm; m++)
-      for (int j = 0; j < cols; j++)
-        y[(m0 + m) * N + c0 + j] = out[(b * mm + m) * BLOCK + j] + (bias ? bias[c0 + j] : 0.f);
-  }
-}
-
-/* y [M, N] = x [M, K] @ W.T (+ bias), W given blocked: [ceil(N / 16), K, 16], zero-padded. */
-void few_rows(const float* x, const float* wb, const float* bias, float* y, long M, long K, long N) {
-  long NB = (N + BLOCK - 1) / BLOCK;
-  float out[2 * 4 * BLOCK];
-  for (long nb = 0; nb < NB;) {
-    int nbb = (M <= 2 && nb + 1 < NB) ? 2 : 1; /* one or two rows: two blocks at once */
-    const float* w = wb + nb * K * BLOCK;
-    for (long m0 = 0; m0 < M;) {
-      const float* xm = x + m0 * K;
-      int mm = M - m0 >= 4 ? 4 : (int)(M - m0);
-      if (mm == 4) tile_4_1(xm, K, w, out);
-      else if (mm == 3) tile_3_1(xm, K, w, out);
-      else if (mm == 2) { if (nbb == 2) tile_2_2(xm, K, w, out); else tile_2_1(xm, K, w, out); }
-      else { if (nbb == 2) tile_1_2(xm, K, w, out); else tile_1_1(xm, K, w, out); }
-      put(out, mm, nbb, bias, y, N, nb, m0);
-      m0 += mm;
-    }
-    nb += nbb;
-  }
-}
-"""
-
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c99"]
 _state: dict = {}
 
 
@@ -172,10 +111,13 @@ def _function():
     reason = _unsupported()
     if reason is None:
         try:
-            fn = _load(_build())
+            fn = _load(_library())
             reason = _check(fn)
-        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-            reason = f"building it failed: {e}"
+        except ImportError:
+            reason = ("not built (the package was installed without a C compiler; a source tree: "
+                      "python setup.py build_ext --inplace)")
+        except (OSError, AttributeError) as e:
+            reason = f"loading it failed: {e}"
         if reason is not None:
             fn = None
     if reason is not None and os.environ.get("CASCADE_FEW_ROWS", "1") != "0":
@@ -214,29 +156,11 @@ def _cpu_flags() -> set[str] | None:
     return None
 
 
-def _build() -> Path:
-    """The kernel's shared library in the cache, compiled there first if it is not."""
-    from cascade.pull import cache_root
+def _library() -> Path:
+    """The kernel's shared library, built with the package (setup.py); ImportError where it was not."""
+    from workers.kernels import _few_rows  # a CPython extension too: found like any module
 
-    compiler = os.environ.get("CC", "cc")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30,
-                             check=True).stdout.splitlines()[:1]
-    key = hashlib.sha256("\n".join([_SOURCE, compiler, *version, *_FLAGS]).encode()).hexdigest()[:16]
-    directory = cache_root() / "kernels"
-    target = directory / f"few_rows-{key}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        source = Path(tmp) / "few_rows.c"
-        source.write_text(_SOURCE)
-        built = Path(tmp) / "few_rows.so"
-        done = subprocess.run([compiler, *_FLAGS, "-o", str(built), str(source)], capture_output=True,
-                              text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} said: {done.stderr.strip()[-400:]}")
-        os.replace(built, target)  # atomic: processes building it at once each put a whole file
-    return target
+    return Path(_few_rows.__file__)
 
 
 def _load(path: Path):
