@@ -8,6 +8,8 @@ mode is refused and these tests skip. They compare the forward with itself, so t
 whatever a CPU's bf16 rounding is."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -244,3 +246,43 @@ def test_the_topology_field(tmp_path, toy):
         {"name": "large", "model": str(path), "dtype": "float32", "batch_invariant": "auto"}]})
     with Cascade.from_topology(auto) as c:
         assert len(c.generate([1, 2, 3], max_new_tokens=4, temperature=0.0).token_ids) == 4
+
+
+REAL = "smollm2-135m-instruct"
+REAL_CHATS = ["What is the capital of France?", "Write a Python function that reverses a string.",
+              "Explain why the sky is blue, in a few sentences."]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_smollm2_greedy_is_one_token_at_a_time_decoding_without_a_near_tie_allowance(tmp_path):
+    """topologies/smollm2.yaml (head, drafter, n-gram, the auto policy) with the authority in bf16 and
+    batch_invariant on: 3 chats x 64 tokens equal to one-token-at-a-time decoding by the same forward."""
+    import yaml
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cascade import Cascade
+    from cascade.pull import MANIFEST, cache_dir
+    from conftest import write_topology
+
+    path = cache_dir(REAL)
+    if not (path / MANIFEST).is_file():
+        pytest.skip(f"{REAL} is not in the cache: cascade pull {REAL}")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    why = batch_invariance_unsupported(model)
+    if why:
+        pytest.skip(f"batch_invariant: {why}")
+    bundled = Path(__file__).resolve().parents[1] / "topologies"
+    data = yaml.safe_load((bundled / "smollm2.yaml").read_text())
+    for level in data["levels"]:
+        if str(level.get("model", "")).startswith("../"):
+            level["model"] = str((bundled / level["model"]).resolve())
+        if level["name"] == "smollm2":
+            level.update(dtype="bfloat16", batch_invariant=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    chats = [list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)) for text in REAL_CHATS]
+    with Cascade.from_topology(write_topology(tmp_path / "smollm2.yaml", data)) as c:
+        got = c.generate(chats, max_new_tokens=64, temperature=0.0, batch_size=2)
+    for chat, generation, text in zip(chats, got, REAL_CHATS):
+        assert generation.token_ids == _plain_greedy(model, chat, len(generation.token_ids)), text

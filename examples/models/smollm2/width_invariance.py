@@ -9,12 +9,14 @@ a ~100-token chat prefix:
   one row;
 * per op: each product (through the lean forward's products) on 1 row vs the first row of k rows.
 
-What it found (docs/exactness.md, "Batch invariance"): the products are row-invariant here (oneDNN's
-bf16 kernel from prepacked copies), the norms and rotary embedding too; torch's CPU attention is not:
-its output for a query row moves by a rounding step with the number of key columns in the call
-(masked ones included), not with the number of query rows, so a position scored in a wider pass
-(more columns) differs from the same position scored alone. ``batch_invariant`` fixes the key
-blocks' shape (workers/lean.py ``invariant_attention``).
+What it found (docs/exactness.md, "Batch invariance"): torch's CPU attention's output for a query
+row moves by a rounding step with the number of key columns in the call (masked ones included), not
+with the number of query rows, so a position scored in a wider pass (more columns) differs from the
+same position scored alone; and oneDNN's bf16 product of a single row is another kernel than that of
+two or more rows, whose sums differ from it by a rounding step on some rows (random rows rarely show
+it; the prompt scored one position per pass does). The norms and the rotary embedding are
+row-invariant. ``batch_invariant`` fixes the key blocks' shape (workers/lean.py
+``invariant_attention``) and multiplies a single row as two.
 
     OMP_NUM_THREADS=1 python examples/models/smollm2/width_invariance.py
 """
@@ -84,7 +86,13 @@ def whole_pass(forward, ids, cont):
         rows_diff[width] = [r for r in range(2, 9)
                             if not torch.equal(score(forward, layers, cont[:width], start, r)[0], ref)]
     max_abs = max(float((by_width[w][0].float() - by_width[1][0].float()).abs().max()) for w in range(2, 17))
-    return worst, rows_diff, max_abs
+    # the prompt's last logits with the prompt scored one position per pass (one-row products)
+    single = [Layer() for _ in range(30)]
+    with torch.inference_mode():
+        for i in range(ids.numel()):
+            last = forward(ids[None, i:i + 1], torch.tensor([[i]]), single, None, 1)
+        whole = forward(ids[None], torch.arange(ids.numel())[None], [Layer() for _ in range(30)], None, 1)
+    return worst, rows_diff, max_abs, torch.equal(last, whole)
 
 
 def products(model):
@@ -111,11 +119,12 @@ def main():
     for invariant in (False, True):
         kwargs = {"batch_invariant": True} if invariant else {}
         forward = lean.lean_forward(model, **kwargs)
-        worst, rows_diff, max_abs = whole_pass(forward, ids, cont)
+        worst, rows_diff, max_abs, one_by_one = whole_pass(forward, ids, cont)
         print(f"\nbatch_invariant={invariant}")
         print("  position j: how many widths > j differ from width j+1:", worst)
         print("  rows 2..8 whose row 0 differs from one row (width 1, width 4):", rows_diff)
         print(f"  largest |logit difference| at the first position, widths 2..16 vs 1: {max_abs:.4f}")
+        print("  the prompt one position per pass == in one pass:", one_by_one)
     print("products (random rows), row counts k whose first row differs from 1 row:", products(model))
 
 
