@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from workers import few_rows
+from workers.kernels.products import linear_product, packable
 
 Forward = Callable[..., torch.Tensor]
 
@@ -340,113 +340,15 @@ def attention_mask(valid, width: int, columns: int, device, among=None):
     return (valid[:, None, :columns] & causal[None])[:, None]
 
 
-# Weights of at least this many elements are worth a oneDNN call for a pass of several rows, where
-# MKL's float32 kernel for a few rows is poor; on a smaller one oneDNN's fixed cost a call eats
-# what it saves (figures by weight shape: docs/results-log.md).
-PACK_MIN_ELEMENTS = 1 << 19
-
-
 def _linear_op(module, pack: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``module``'s product as a function. With ``pack``, a weight of at least
-    :data:`PACK_MIN_ELEMENTS` gets a copy in oneDNN's blocked layout (memory: that weight once
-    more) used for inputs of several rows, and the weight itself is stored column-major
-    (:func:`column_major`) for a single row (decoding one token, drafting), which F.linear then
-    multiplies faster. Either way the product is float32's, rounded in another order (~1e-5 of a
-    logit: cascade/DESIGN.md §2)."""
+    """``module``'s product as a function (:func:`workers.kernels.products.linear_product`)."""
     return linear_product(module.weight, module.bias, pack)
-
-
-def linear_product(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """:func:`_linear_op` for a weight and bias (``x @ weight.T + bias``); a float32 weight given
-    to it with ``pack`` is stored column-major from then on. A bfloat16 weight with ``pack`` is
-    multiplied from a prepacked copy at every row count and every size (:func:`_prepacked`)."""
-    if pack and weight.dtype == torch.bfloat16:
-        return _prepacked(weight, bias)
-    if pack and few_rows_now():
-        return few_rows.product(weight, bias) or (lambda x: F.linear(x, weight, bias))
-    if not pack or weight.numel() < PACK_MIN_ELEMENTS:
-        return lambda x: F.linear(x, weight, bias)
-    column_major(weight)
-    packed = _prepacked(weight, bias)
-
-    def product(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1]:
-            return F.linear(x, weight, bias)
-        return packed(x)
-
-    return product
-
-
-def _prepacked(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x @ weight.T + bias`` through oneDNN from a copy of ``weight`` in its blocked layout, made
-    once (F.linear reorders the weight on every call). In bfloat16, where oneDNN computes it
-    natively, that is faster at every size and row count a level meets (docs/engine.md,
-    "Batches underneath") and the same product: oneDNN's kernel either way, each output
-    accumulated in float32."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-
-    def product(x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "").view(*x.shape[:-1], -1)
-
-    return product
-
-
-def column_major(weight: torch.Tensor) -> None:
-    """Store a 2-D weight ``[out, in]`` column-major, in place: the same values and shape, the
-    storage of its transpose. F.linear of one row then runs MKL's non-transposed matrix-vector
-    product, which streams the weight faster than the transposed one does over the row-major
-    layout (for large weights such as an LM head or an MLP's; the attention's smaller projections
-    gain nothing: docs/engine.md). Every module sharing the parameter (a tied embedding) sees the new layout; an
-    embedding's lookups are as exact from it."""
-    if weight.dim() == 2 and weight.stride() != (1, weight.shape[0]):
-        weight.data = weight.data.t().contiguous().t()
-
-
-def own_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """A faster product than F.linear for a small level's own layer (a feature head's), or None:
-    from a prepacked copy in bfloat16 (:func:`_prepacked`), through the few-row kernel in float32
-    at one thread (:mod:`workers.few_rows`)."""
-    if weight.dtype == torch.bfloat16:
-        return _prepacked(weight, bias) if packable(weight) else None
-    return few_rows.product(weight, bias) if few_rows_now() else None
-
-
-def few_rows_now() -> bool:
-    """Whether products built now go through the few-row kernel: where it is available and torch
-    runs one intra-op thread. The kernel is single-threaded; with more threads, oneDNN's and
-    MKL's parallel products over prepacked and column-major weights are faster (docs/engine.md),
-    so the layout is chosen for the thread count when the model loads."""
-    return few_rows.enabled() and torch.get_num_threads() == 1
 
 
 def _packable(model) -> bool:
     """Whether oneDNN can score ``model``'s several-row passes from prepacked float32 weights
     here, as checked on one of its own matrices against F.linear."""
     return packable(model.lm_head.weight)
-
-
-def packable(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can multiply rows by ``weight`` (float32, or bfloat16 where oneDNN computes
-    it natively: AVX-512 BF16, AMX; on a CPU) from a prepacked copy here, as checked on its first
-    rows against F.linear."""
-    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
-        return False
-    if weight.dtype == torch.float32 and few_rows_now():
-        return True
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return False
-        rows = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        probe = weight[:256].detach()
-        ours = torch.ops.mkldnn._linear_pointwise(rows, torch.ops.mkldnn._reorder_linear_weight(probe),
-                                                  None, "none", [], "")
-        tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
-        return bool(torch.allclose(ours.float(), F.linear(rows, probe).float(), rtol=tol, atol=tol))
-    except (AttributeError, RuntimeError):  # an older torch, or a build without these ops
-        return False
 
 
 def _norm(module) -> tuple:
