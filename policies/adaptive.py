@@ -6,18 +6,23 @@ happened in earlier steps; stop rules see only the drafter's own distribution.
 """
 from __future__ import annotations
 
-import copy
+import enum
 import random
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import networkx as nx
 from pydantic import Field, StrictBool
 
-from policies.base import PassCost, PlanContext, Policy, StepFeedback, StepPlan, longest_path
-from policies.estimates import Calibration, Estimates, tree_passes
+from policies.base import PassCost, PlanContext, Policy, StepFeedback, StepPlan, StopRule, longest_path
+from policies.estimates import Calibration, Estimates, LevelCost, tree_passes
 from policies.fixed import check_path
 from policies.params import Float, Int, Lookahead, PathParams, PolicyParams, TreeShape, Unit
 from policies.stops import CalibratedStop, ConfidenceStop, EntropyStop
+
+Path = tuple[str, ...]  # levels from the first proposer to the authority
+Weight = Annotated[Float, Field(ge=0.0, le=1e6)]  # observations' worth, or a relative margin
+Positive = Annotated[Int, Field(ge=1)]
 
 
 class ConfidenceParams(PathParams):
@@ -42,8 +47,12 @@ class CostParams(PolicyParams):
     prior: Unit = Field(0.6, description="Acceptance assumed for an edge before it is measured.")
     decay: Unit = Field(0.98, description="Per-step decay of the acceptance estimates (1 = never forget).")
     seed: Int = Field(0, description="Seed of the policy's own random choices (exploration, probe order).")
-    verify_budget: Annotated[Int, Field(ge=1)] | None = Field(
+    verify_budget: Positive | None = Field(
         None, description="Cap on the tokens one authority pass verifies across the batch (null: none).")
+    explore_steps: Positive = Field(200, description="Steps by which exploration halves: explore x n / (n + steps).")
+    explore_lookahead: Lookahead = Field(8, description="The longest random block an exploring step drafts.")
+    regime_carry: Weight = Field(4.0, description="Observations' worth of each edge's acceptance a sampling regime "
+                                 "(greedy or sampled) seen for the first time takes from the other.")
 
 
 class CostAwareParams(CostParams, PathParams):
@@ -57,22 +66,27 @@ class EscalationParams(CostParams):
         None, description="Keep acceptance apart for contexts whose drafts were at least this confident (null: off).")
     warmup: Annotated[Int, Field(ge=0)] = Field(2, description="Probe rounds (every path once) at the start.")
     switch_margin: Unit = Field(0.05, description="Leave the current path only for one priced this much cheaper.")
-    probe_every: Annotated[Int, Field(ge=1)] = Field(128, description="Steps between probe rounds, at first.")
+    probe_every: Positive = Field(128, description="Steps between probe rounds, at first.")
     stand_in: StrictBool = Field(
         True, description="Where the chosen path is prompt lookup straight into the authority, let the model "
         "proposer priced cheapest (if it beats the authority alone) draft the steps where prompt lookup has no match.")
-    pool_weight: Annotated[Float, Field(ge=0.0, le=1e6)] = Field(
+    pool_weight: Weight = Field(
         20.0, description="Observations' worth of the verifier's pooled acceptance in each edge's estimate "
         "(the other edges of its kind into that verifier; at most what they have seen).")
     draft_margin: Unit = Field(0.1, description="A drafting path must be priced this much cheaper than none.")
-    probe_backoff: Annotated[Int, Field(ge=1)] = Field(
-        8, description="Probe interval grows up to this many times probe_every while the choice holds.")
-    lookup_carry: Annotated[Float, Field(ge=0.0, le=1e6)] = Field(
+    probe_backoff: Positive = Field(8, description="Probe interval grows up to this many times probe_every while "
+                                    "the choice holds.")
+    lookup_carry: Weight = Field(
         4.0, description="Observations' worth of prompt lookup's acceptance a new request starts from "
         "(it depends on the request: does the answer repeat its prompt?).")
     trees: list[TreeShape] = Field(
         [], max_length=4, description="Tree shapes (widths per depth) priced beside the chain on every path whose "
         "first level can score: a step takes one where it is priced cheapest.")
+    probe_retries: Annotated[Int, Field(ge=0)] = Field(8, description="Times a probe that proposed nothing is taken "
+                                                       "again (a request's own, the authority decoding alone: no cap).")
+    contender_margin: Weight = Field(0.25, description="Every other probe round after the warm-up takes only the "
+                                     "paths priced within 1 + this of the cheapest.")
+    reprice_every: Positive = Field(8, description="Plans one pricing of the paths serves (a probe round reprices).")
 
 
 class AutoParams(EscalationParams):
@@ -157,47 +171,150 @@ class EntropyPolicy(_PathMixin, Policy):
                 self.threshold = min(0.99, max(0.01, self.threshold + self.rate * (self.target - share)))
 
 
+class Step(str, enum.Enum):
+    """What a step of escalation (or auto) does."""
+
+    PROBE = "probe"  # measures a path whatever its price: a probe round's, a new request's own, or a retry
+    EXPLORE = "explore"  # a random drafting path and lookahead (probability ``explore``, decaying)
+    EXPLOIT = "exploit"  # the path priced cheapest, held against near-equal ones (hysteresis)
+
+
+Choice = tuple[Path, dict[str, int], Step, "tuple[int, ...] | None"]  # path, lookahead, step, first edge's tree
+
+
+@dataclass
+class Regime:
+    """What a cost-model policy learned and chose in one sampling regime (greedy or sampled): a
+    drafter agrees with the authority's most likely token far more often than with its sample,
+    so each regime prices paths with its own blocks. Costs are the levels' and shared."""
+
+    contexts: dict[bool, Estimates]  # acceptance per confidence context (True: escalation's ``confident``)
+    current: dict[frozenset[str], Path] = field(default_factory=dict)  # the exploited path per available set
+    prices: dict[tuple, tuple[int, Any]] = field(default_factory=dict)  # key -> (plan number when priced, prices)
+
+    def carried(self, carry: float) -> "Regime":
+        """A regime seen for the first time starts from this one, each edge's acceptance carried
+        as ``carry`` observations: its own blocks soon outweigh them, and no path is unpriced."""
+        return Regime({c: e.fork(carry) for c, e in self.contexts.items()}, dict(self.current), dict(self.prices))
+
+
+@dataclass
+class Probes:
+    """Escalation's probing, shared by the regimes: rounds (``warmup`` at the start, then one
+    every ``interval`` steps, backing off while rounds leave the choice as it was), a new
+    request's own probes, and the probe in flight."""
+
+    interval: float  # steps between probe rounds, now
+    since: float = 0.0  # steps since the last round began (a step of a batch of B counts 1/B)
+    plans: int = 0  # plans made, retries not counted: the warm-up is the first ``warmup`` x paths
+    rounds: int = 0  # rounds begun
+    queue: list[Path] = field(default_factory=list)  # probes to take, the last first
+    requests: set[Path] = field(default_factory=set)  # those queued at a request's start, not by a round
+    last: Path | None = None  # the probe in flight (None: none, or its retry was decided)
+    drafted: bool | None = None  # whether anything was proposed in it (None: not told yet)
+    tries: int = 0  # how often it had been taken again (a retry is queued last: it is taken at once)
+    by_request: bool = False  # whether it was a request's own, its first proposal not yet seen
+    judging: bool = False  # a round just ended: the next exploit tells whether it changed the choice
+    turns: dict[Path, int] = field(default_factory=dict)  # probes of a path go round its chain and trees
+
+    def retry(self, candidates: list[Path], retries: int, free: bool) -> None:
+        """A probe that proposed nothing (prompt lookup without a match) measured nothing: it is
+        taken again, up to ``retries`` times, or with no cap where it costs nothing (``free``: a
+        request's own probe while the authority decodes alone, a one-token pass either way)."""
+        probed, self.last = self.last, None
+        again = self.drafted is False and (self.tries < retries or free) and probed in candidates
+        self.tries = self.tries + 1 if again else 0
+        if again:
+            self.queue.append(probed)
+            if self.by_request:
+                self.requests.add(probed)
+            self.plans -= 1  # a retry does not use up the warm-up
+
+    def take(self, prices: dict) -> Path | None:
+        """The next probe, if any; after a round's last, prices afresh and judges the round."""
+        if not self.queue:
+            return None
+        path = self.queue.pop()
+        self.last, self.drafted = path, (True if len(path) < 2 else None)
+        self.by_request = path in self.requests
+        if self.by_request:  # a request's own probe: no round to judge
+            self.requests.discard(path)
+        elif not self.queue:
+            prices.clear()
+            self.judging = True
+        return path
+
+    def back_off(self, changed: bool, every: int, most: int) -> None:
+        """A round that left the choice as it was doubles the interval to the next, up to
+        ``most``; a changed choice (the text has moved) brings it back to ``every``."""
+        if changed:
+            self.interval = float(every)
+        elif self.judging:
+            self.interval = min(2 * self.interval, float(most))
+        self.judging = False
+
+
 class CostAwarePolicy(_PathMixin, Policy):
     """Lookahead per edge chosen online to maximise committed tokens per second.
 
     From measured acceptance per draft position and the measured cost of each level's passes
-    (a fixed cost per pass plus a cost per position scored, fitted from every call: see
-    ``LevelCost``), it picks the k that minimises expected seconds per emitted token on each
-    edge (cascade/DESIGN.md §4, the speedup equation, composed up the hierarchy: see
+    (``LevelCost``), it picks the k that minimises expected seconds per emitted token on each
+    edge (cascade/DESIGN.md §4, the speedup equation, composed up the hierarchy:
     ``Estimates.path_cost``), and explores a random k on one edge with probability ``explore``
-    (decaying as ``explore * 200 / (200 + steps)``).
-
-    Under load a pass's fixed cost is shared by the batch while every drafted position still
-    costs the verifier its own compute, so the same equation stops paying for speculation as
-    the batch grows: the policy drops to plain batched decoding by itself. ``verify_budget``
-    optionally caps the tokens one authority pass verifies across the batch on top of that
-    (the authority's proposer gets at most ``verify_budget // batch_size - 1`` per sequence).
+    (decaying with the steps seen). Under load a pass's fixed cost is shared by the batch while
+    every drafted position still costs the verifier its own compute, so speculation stops
+    paying as the batch grows; ``verify_budget`` also caps the tokens one authority pass
+    verifies across the batch (``verify_budget // batch_size - 1`` per sequence). Greedy and
+    sampled steps keep their own estimates (:class:`Regime`).
     """
 
     name = "cost-aware"
     Params: type[CostParams] = CostAwareParams
+    _contexts: tuple[bool, ...] = (False,)  # the confidence contexts a regime keeps apart
 
     def __init__(self, params: CostParams | None = None, /, **kwargs: Any):
         super().__init__(params, **kwargs)
-        p = self.params
-        self.verify_budget = p.verify_budget
-        self.max_lookahead = p.max_lookahead
-        self.explore = p.explore
-        self.estimates = Estimates(prior=p.prior, decay=p.decay)
-        self.rng = random.Random(p.seed)
+        self.rng = random.Random(self.params.seed)
         self.steps = 0
-        self._init_path(getattr(p, "path", None))  # escalation and auto choose the path per step
-        self._regime = False  # whether the estimates in use are sampled steps' (or greedy ones')
-        self._regimes: dict[bool, list] = {}  # the other regime's state, once it has been seen
+        self._init_path(getattr(self.params, "path", None))  # escalation and auto choose the path per step
+        self.costs: dict[str, LevelCost] = {}  # per level, whatever the regime and context
+        self.regimes = {False: Regime({c: self._new_estimates() for c in self._contexts})}
+        self.regime = False  # the sampling regime of the last plan or feedback (True: sampled)
+        self._context = False  # the confidence context of the next step
+
+    def _new_estimates(self) -> Estimates:
+        p = self.params  # only escalation and auto pool acceptance across edges
+        return Estimates(p.prior, p.decay, getattr(p, "pool_weight", 0.0), self.costs)
+
+    @property
+    def estimates(self) -> Estimates:
+        """The estimates of the current regime (its only context, or its unconfident one)."""
+        return self.regimes[self.regime].contexts[False]
+
+    def _estimates(self) -> Estimates:
+        """The estimates of the current regime and confidence context."""
+        return self.regimes[self.regime].contexts[self._context]
+
+    def _regime_for(self, sampled: bool) -> Regime:
+        """The regime of a step; one seen for the first time starts from the last one's."""
+        if sampled not in self.regimes:
+            self.regimes[sampled] = self.regimes[self.regime].carried(self.params.regime_carry)
+        self.regime = sampled
+        return self.regimes[sampled]
 
     def bind(self, graph: nx.DiGraph, authority: str) -> None:
         super().bind(graph, authority)
         kinds = {n: graph.nodes[n].get("kind", "hf") for n in graph}
-        for estimates in (self.estimates, *getattr(self, "contexts", {}).values()):
-            estimates.kinds = kinds
+        for regime in self.regimes.values():
+            for estimates in regime.contexts.values():
+                estimates.kinds = kinds
 
     def _exploring(self) -> bool:
-        return self.explore > 0 and self.rng.random() < self.explore * 200 / (200 + self.steps)
+        explore, steps = self.params.explore, self.params.explore_steps
+        return explore > 0 and self.rng.random() < explore * steps / (steps + self.steps)
+
+    def _random_lookahead(self, max_lookahead: int) -> int:
+        return self.rng.randint(1, min(self.params.explore_lookahead, max_lookahead))
 
     def _explore(self, lookahead: dict[str, int]) -> dict[str, int]:
         """Now and then, try a random lookahead (>= 1) on one edge, so that an edge whose
@@ -205,13 +322,14 @@ class CostAwarePolicy(_PathMixin, Policy):
         if lookahead and self._exploring():
             level = self.rng.choice(sorted(lookahead))
             lookahead = dict(lookahead)
-            lookahead[level] = self.rng.randint(1, min(8, self.max_lookahead))
+            lookahead[level] = self._random_lookahead(self.params.max_lookahead)
         return lookahead
 
-    def _under_load(self, ctx: PlanContext, path: tuple[str, ...], lookahead: dict[str, int]) -> StepPlan:
+    def _under_load(self, ctx: PlanContext, path: Path, lookahead: dict[str, int]) -> StepPlan:
         """Apply the verification budget, then drop levels left idle (k = 0 on their edge)."""
-        if self.verify_budget is not None and len(path) > 1:
-            cap = self.verify_budget // max(1, ctx.batch_size) - 1
+        budget = self.params.verify_budget
+        if budget is not None and len(path) > 1:
+            cap = budget // max(1, ctx.batch_size) - 1
             lookahead = dict(lookahead, **{path[-2]: max(0, min(lookahead[path[-2]], cap))})
         # A level asked for no tokens cuts the path: nothing below it can be used.
         for j in range(len(path) - 2, -1, -1):
@@ -220,60 +338,19 @@ class CostAwarePolicy(_PathMixin, Policy):
                 break
         return StepPlan(path, {n: lookahead[n] for n in path[:-1]})
 
-    #: what the policy learned of acceptance and chose from it, kept apart per sampling regime
-    _regime_state: tuple[str, ...] = ("estimates",)
-
-    def _use_regime(self, sampled: bool) -> None:
-        """Greedy and sampled steps keep apart what they measure of acceptance (and what they
-        chose from it): a drafter agrees with the authority's most likely token far more often
-        than with its sample (SmolLM2's prompt lookup: 0.59 accepted greedy, 0.17 at T = 0.8),
-        so one set of estimates for both would price each regime with the other's blocks — a
-        server taking greedy and sampled requests side by side, or a benchmark interleaving
-        them. Costs are the levels' and stay shared. A regime seen for the first time starts
-        from the other's estimates, each edge's acceptance carried over as ``REGIME_CARRY``
-        observations: its own blocks soon outweigh them, and every path keeps a measured
-        price rather than the optimistic prior (which would be tried path by path)."""
-        if sampled == self._regime:
-            return
-        self._regimes[self._regime] = [getattr(self, a) for a in self._regime_state]
-        state = self._regimes.pop(sampled, None)
-        if state is None:
-            costs = self.estimates.costs
-            state = copy.deepcopy(self._regimes[self._regime], {id(costs): costs})
-            for estimates in _all_estimates(state):
-                for edge in estimates.edges.values():
-                    edge.soften(REGIME_CARRY)
-        for attr, value in zip(self._regime_state, state):
-            setattr(self, attr, value)
-        self._regime = sampled
-
     def plan(self, ctx: PlanContext) -> StepPlan:
-        self._use_regime(ctx.sampled)
+        self._regime_for(ctx.sampled)
         path = self._path(ctx)
-        _, lookahead = self.estimates.path_cost(path, self.max_lookahead, batch=ctx.batch_size)
+        _, lookahead = self.estimates.path_cost(path, self.params.max_lookahead, batch=ctx.batch_size)
         return self._under_load(ctx, path, self._explore(lookahead))
 
     def observe(self, feedback: StepFeedback) -> None:
         self.steps += 1
-        self._use_regime(feedback.sampled)
-        self.estimates.observe(feedback)
+        self._regime_for(feedback.sampled)
+        self._estimates().observe(feedback)
 
     def observe_pass(self, cost: PassCost) -> None:
         self.estimates.observe_pass(cost)
-
-
-#: observations' worth of acceptance a sampling regime seen for the first time takes from the other
-REGIME_CARRY = 4
-
-
-def _all_estimates(state: list) -> list[Estimates]:
-    """The :class:`Estimates` in a policy's regime state (directly, or as a dict's values)."""
-    found = {}
-    for value in state:
-        for e in (value.values() if isinstance(value, dict) else (value,)):
-            if isinstance(e, Estimates):
-                found[id(e)] = e
-    return list(found.values())
 
 
 class EscalationPolicy(CostAwarePolicy):
@@ -282,75 +359,33 @@ class EscalationPolicy(CostAwarePolicy):
     Every path through the graph to the authority is priced with the measured acceptance and
     costs (``Estimates.path_cost``): a level whose edge does not pay for its cost
     (A <= 1 + T_draft / T_verify) makes its paths dearer and is skipped. Untried paths start
-    from an optimistic prior. Probe rounds — every path once, in random order, ``warmup``
-    rounds at the start, then one round of the contenders every ``probe_every`` steps (a step
-    of a batch of B counting 1/B: a probe of a large batch is dear and teaches a lot) — keep
-    every edge's estimates sampled across the run: acceptance swings several-fold between
-    texts, so estimates of paths measured at different times would not compare. A round that
-    leaves the choice unchanged doubles the interval to the next, up to ``probe_backoff`` x
-    ``probe_every`` (on the bundled 4-level topology a round is eight steps, most of them on
-    slower paths); a change of path brings it back to ``probe_every``. At batch 1 a new
-    request probes the n-gram level's paths at once and starts from only ``lookup_carry``
-    observations of its acceptance (:meth:`_new_request`): whether prompt lookup pays is the
-    request's; while the authority decodes alone, that probe waits for the request's first
-    match. The current path is kept unless another is priced ``switch_margin`` cheaper. A path that drafts is
-    taken only if it is priced ``draft_margin`` cheaper than the authority decoding alone: a
-    speculative step has costs the price leaves out (the engine's work per drafted token, the
-    verifier scoring every row of a batch as wide as the longest block, cache holes left by
-    rolled-back tokens) — a few percent, which decide where speculation only breaks even, as
-    under heavy load. A random path is also explored with probability ``explore`` (decaying
-    with the steps seen). Prices are reused for ``reprice_every`` (8) plans at one batch size,
-    and priced afresh after a probe round: the estimates move slowly between rounds, and
-    pricing every path each step costs a sizeable share of a small model's step.
+    from an optimistic prior. A step does one of three things (:class:`Step`; the states are
+    in docs/policies.md, "States"):
 
-    With ``confident`` set, acceptance is also kept separately
-    for confident and unconfident contexts — the mean probability the first level gave its own
-    drafts in the previous step, against ``confident`` — so that confident blocks may go
-    straight to the authority along a shortcut edge and unsure ones through the middle levels.
+    - **probe**: ``warmup`` rounds of every path, then a round every ``probe_every`` steps (a
+      step of a batch of B counting 1/B), backing off while the choice holds (:class:`Probes`):
+      acceptance swings several-fold between texts, so paths measured at different times would
+      not compare. At batch 1 a new request probes at once (:meth:`_new_request`).
+    - **explore**: a random path, with probability ``explore`` (decaying with the steps seen).
+    - **exploit**: the path priced cheapest, kept unless another is ``switch_margin``
+      cheaper; a drafting path must be ``draft_margin`` cheaper than the authority alone (a
+      speculative step has costs the price leaves out). With ``confident``, confident blocks
+      may go straight to the authority along a shortcut edge, unsure ones through the middle.
     """
 
     name = "escalation"
     Params = EscalationParams
-    # per sampling regime: the estimates (per context), the path chosen from them, their prices
-    _regime_state = ("estimates", "contexts", "_current", "_prices")
+    _contexts = (True, False)
 
     def __init__(self, params: EscalationParams | None = None, /, **kwargs: Any):
         super().__init__(params, **kwargs)
-        p = self.params
-        self.draft_margin = p.draft_margin
-        self.confident = p.confident
-        self.warmup = p.warmup
-        self.switch_margin = p.switch_margin
-        self.probe_every = p.probe_every
-        self.probe_backoff = p.probe_backoff
-        self._interval = float(p.probe_every)  # steps between probe rounds, now
-        self._judge_round = False  # the next exploit choice tells whether the last round changed it
-        self._current: dict[frozenset[str], tuple[str, ...]] = {}
-        self._plans = self._rounds = 0
-        self._since_probe = 0.0
-        self._probes: list[tuple[str, ...]] = []  # the rest of the current probe round
-        # the last probe, whether anything was proposed in it (None: not told yet), and how often
-        # it was retried
-        self._probing: tuple[tuple[str, ...], bool | None, int] | None = None
-        self.probe_retries = 8
-        self._retry = 0
-        self.lookup_carry = p.lookup_carry
+        self.probes = Probes(float(self.params.probe_every))
+        self.trees = [tuple(t) for t in self.params.trees]
         self._last_step: int | None = None  # the step of the last plan: a drop means a new request
-        self._request_probes: set[tuple[str, ...]] = set()  # queued at a request's start, not a round's
-        self._probing_request = False  # whether the last probe was one of those
-        self.contender_margin = 0.25
-        self.estimates.pool_weight = p.pool_weight
-        self.contexts = {True: Estimates(prior=p.prior, decay=p.decay, pool_weight=p.pool_weight),
-                         False: self.estimates}
-        self._context = False
-        self._all_paths: dict[frozenset[str], list[tuple[str, ...]]] = {}
-        self.reprice_every = 8
-        self._prices: dict[tuple, tuple[int, object]] = {}  # key -> (plan number when priced, prices)
-        self.trees = [tuple(t) for t in p.trees]
-        self._tree_turn: dict[tuple[str, ...], int] = {}  # probes of a path go round its chain and trees
+        self._all_paths: dict[frozenset[str], list[Path]] = {}
         self._stand_in: tuple[str, int] | None = None  # the last exploit's stand-in for prompt lookup
 
-    def _shapes(self, ctx: PlanContext, path: tuple[str, ...]) -> list[tuple[int, ...] | None]:
+    def _shapes(self, ctx: PlanContext, path: Path) -> list[tuple[int, ...] | None]:
         """The first edge's choices on ``path``: a chain (None), or a tree of each shape where
         the first level grows trees (a model or a feature head; an n-gram level does not)."""
         if not self.trees or len(path) < 2 or ctx.graph.nodes[path[0]].get("kind") == "ngram":
@@ -367,114 +402,88 @@ class EscalationPolicy(CostAwarePolicy):
                     priced[path] = (cost, lookahead, shape)
         return priced
 
-    def _probe_shape(self, ctx: PlanContext, path: tuple[str, ...]) -> tuple[int, ...] | None:
-        """A probe of ``path`` measures its chain and its trees in turn."""
-        shapes = self._shapes(ctx, path)
-        turn = self._tree_turn.get(path, 0)
-        self._tree_turn[path] = turn + 1
-        return shapes[turn % len(shapes)]
-
-    def _candidates(self, ctx: PlanContext) -> list[tuple[str, ...]]:
+    def _candidates(self, ctx: PlanContext) -> list[Path]:
         if ctx.available not in self._all_paths:
             sub = ctx.graph.subgraph(ctx.available)
-            paths = [(ctx.authority,)]
-            for source in sub:
-                if source != ctx.authority:
-                    paths.extend(tuple(p) for p in nx.all_simple_paths(sub, source, ctx.authority))
-            self._all_paths[ctx.available] = paths
+            self._all_paths[ctx.available] = [(ctx.authority,)] + [
+                tuple(p) for s in sub if s != ctx.authority for p in nx.all_simple_paths(sub, s, ctx.authority)]
         return self._all_paths[ctx.available]
 
-    def _estimates(self) -> Estimates:
-        estimates = self.contexts[self._context]
-        estimates.costs = self.estimates.costs  # costs are measured per level whatever the context
-        return estimates
-
-    def _choose(self, ctx: PlanContext, max_lookahead: int
-                ) -> tuple[tuple[str, ...], dict[str, int], str, tuple[int, ...] | None]:
-        """(path, lookahead up to ``max_lookahead``, kind, tree shape of the first edge or None):
-        kind is "probe", "explore" or "exploit"."""
-        self._use_regime(ctx.sampled)
+    def _choose(self, ctx: PlanContext, max_lookahead: int) -> Choice:
+        """(path, lookahead up to ``max_lookahead``, what the step does, tree shape of the first
+        edge or None)."""
+        regime = self._regime_for(ctx.sampled)
         candidates = self._candidates(ctx)
         if self._last_step is not None and ctx.step < self._last_step and ctx.batch_size == 1:
             self._new_request(candidates, ctx, max_lookahead)
         self._last_step = ctx.step
         priced = self._priced(("paths", ctx.available, ctx.batch_size, max_lookahead),
                               lambda estimates: self._price_paths(ctx, candidates, max_lookahead, estimates))
-        self._plans += 1
-        # A probe step runs the whole batch on a path that is probably worse, and teaches in
-        # proportion to the batch: so probes come every ``probe_every`` steps of one sequence
-        # (a step of a batch of B counts 1/B).
-        self._since_probe += 1.0 / max(1, ctx.batch_size)
-        if self._probing is not None:
-            # A probe in which nothing was proposed (prompt lookup without a match) measured no
-            # acceptance: it is taken again, so that such a level is measured at all — up to
-            # ``probe_retries`` times, and for as long as the request lasts where it is the
-            # request's own probe and the authority would decode alone anyway (such a retry
-            # then costs nothing: the step is the authority's one-token pass either way).
-            probed, drafted, tries = self._probing
-            self._probing = None
-            free = self._probing_request and self._current.get(ctx.available) == (ctx.authority,)
-            if drafted is False and (tries < self.probe_retries or free) and probed in candidates:
-                self._probes.append(probed)
-                if self._probing_request:
-                    self._request_probes.add(probed)
-                self._retry = tries + 1
-                self._plans -= 1  # a retry does not use up the warm-up
-        if not self._probes and (self._plans <= self.warmup * len(candidates) or self._since_probe >= self._interval):
-            self._since_probe = 0.0
-            self._probes = self._probe_round(priced)
-        if self._probes:
-            path = self._probes.pop()
-            self._probing, self._retry = (path, True if len(path) < 2 else None, self._retry), 0
-            self._probing_request = path in self._request_probes
-            if self._probing_request:  # a request's own probe: no round to judge
-                self._request_probes.discard(path)
-            elif not self._probes:  # the round's last probe: price afresh with what the round taught
-                self._prices.clear()
-                self._judge_round = True
-            shape = self._probe_shape(ctx, path)
-            lookahead = priced[path][1]
-            if shape is None and priced[path][2] is not None:  # the chain's own lookahead
-                lookahead = self._estimates().path_cost(path, max_lookahead, batch=ctx.batch_size)[1]
-            return path, _probing(path, lookahead), "probe", shape
+        path = self._next_probe(ctx, candidates, priced, regime)
+        if path is not None:
+            return self._probe(ctx, path, priced, max_lookahead)
         drafting = [p for p in candidates if len(p) > 1]
         if drafting and self._exploring():
             path = self.rng.choice(drafting)
-            return path, {n: self.rng.randint(1, min(8, max_lookahead)) for n in path[:-1]}, "explore", None
-        score = {p: priced[p][0] * (1 + self.draft_margin if len(p) > 1 else 1) for p in candidates}
+            return path, {n: self._random_lookahead(max_lookahead) for n in path[:-1]}, Step.EXPLORE, None
+        return self._exploit(ctx, regime, priced, max_lookahead)
+
+    def _next_probe(self, ctx: PlanContext, candidates: list[Path], priced: dict, regime: Regime) -> Path | None:
+        """The path this step probes, if any: a probe that proposed nothing, again; the rest of
+        the queue; or the first of a round that is due."""
+        probes, p = self.probes, self.params
+        probes.plans += 1
+        probes.since += 1.0 / max(1, ctx.batch_size)
+        if probes.last is not None:
+            probes.retry(candidates, p.probe_retries,
+                         probes.by_request and regime.current.get(ctx.available) == (ctx.authority,))
+        if not probes.queue and (probes.plans <= p.warmup * len(candidates) or probes.since >= probes.interval):
+            probes.since = 0.0
+            probes.queue = self._probe_round(priced)
+        return probes.take(regime.prices)
+
+    def _exploit(self, ctx: PlanContext, regime: Regime, priced: dict, max_lookahead: int) -> Choice:
+        """The path priced cheapest (a drafting one by ``draft_margin``), kept unless another is
+        ``switch_margin`` cheaper, so that near-equal paths do not flap the choice on noise."""
+        p = self.params
+        score = {path: cost * (1 + p.draft_margin if len(path) > 1 else 1) for path, (cost, *_) in priced.items()}
         path = min(score, key=score.get)
-        # Hysteresis: leave the current path only for one that is clearly cheaper, so that
-        # near-equal paths do not flap the choice on noise.
-        current = self._current.get(ctx.available)
-        if current in score and score[path] > (1 - self.switch_margin) * score[current]:
+        current = regime.current.get(ctx.available)
+        if current in score and score[path] > (1 - p.switch_margin) * score[current]:
             path = current
-        self._current[ctx.available] = path
-        # Back off: a probe round that leaves the choice as it was (probes and explores do not
-        # move ``current``) doubles the interval to the next, up to probe_backoff x probe_every;
-        # a changed choice means the text has moved, and probing returns to every probe_every.
-        if path != current:
-            self._interval = float(self.probe_every)
-        elif self._judge_round:
-            self._interval = min(2 * self._interval, float(self.probe_every * self.probe_backoff))
-        self._judge_round = False
+        regime.current[ctx.available] = path
+        self.probes.back_off(path != current, p.probe_every, p.probe_every * p.probe_backoff)
         self._stand_in = self._stand_in_for(ctx, path, priced, max_lookahead)
-        return path, priced[path][1], "exploit", priced[path][2]
+        return path, priced[path][1], Step.EXPLOIT, priced[path][2]
 
-    def _stand_in_for(self, ctx: PlanContext, path: tuple[str, ...], priced, max_lookahead: int
-                      ) -> tuple[str, int] | None:
+    def _probe(self, ctx: PlanContext, path: Path, priced: dict, max_lookahead: int) -> Choice:
+        """A probe of ``path``: its chain and its trees in turn, every edge of it measured."""
+        shapes, turn = self._shapes(ctx, path), self.probes.turns.get(path, 0)
+        self.probes.turns[path], shape = turn + 1, shapes[turn % len(shapes)]
+        lookahead = priced[path][1]
+        if shape is None and priced[path][2] is not None:  # the chain's own lookahead
+            lookahead = self._estimates().path_cost(path, max_lookahead, batch=ctx.batch_size)[1]
+        return path, _probing(path, lookahead), Step.PROBE, shape
+
+    def _probe_round(self, priced: dict[Path, tuple]) -> list[Path]:
+        """The paths of the next probe round, in random order: all of them in the warm-up and in
+        every other round; otherwise the contenders, priced within ``1 + contender_margin`` of
+        the best."""
+        self.probes.rounds += 1
+        paths = list(priced)
+        if self.probes.rounds > self.params.warmup and self.probes.rounds % 2:
+            best = min(cost for cost, *_ in priced.values())
+            paths = [p for p in paths if priced[p][0] <= (1 + self.params.contender_margin) * best]
+        self.rng.shuffle(paths)
+        return paths
+
+    def _stand_in_for(self, ctx: PlanContext, path: Path, priced, max_lookahead: int) -> tuple[str, int] | None:
         """(level, lookahead) that drafts in prompt lookup's place on ``path`` (an n-gram level
-        straight into the authority) at the steps where it finds nothing to propose: the model
-        proposer whose own chain into the authority is priced cheapest, if that beats the
-        authority alone. Prompt lookup is priced by its acceptance where it proposes, so at the
-        many steps of a chat where it has no match the step would otherwise be the authority's
-        one-token pass.
-
-        The stand-in needs only to beat the authority alone, not by ``draft_margin``: it is
-        measured at every step it drafts, so a price too low corrects itself, while a margin lets
-        an unlucky early estimate (a few rounds accepted below the drafter's rate) turn it off
-        for good — a declined stand-in is measured again only by rare probes. Seen once: SmolLM2's
-        head, measured at 0.31 by the first request's rounds (0.45-0.50 in other runs), fell short
-        of the margin, and every later request decoded its steps without a match one token a pass."""
+        straight into the authority) where it has no match, which would otherwise leave the step
+        to the authority alone: the model proposer whose own chain into the authority is priced
+        cheapest, if that beats the authority alone — by no ``draft_margin``: it is measured at
+        every step it drafts, so a price too low corrects itself, while a margin would let an
+        unlucky early estimate turn it off for good (rare probes alone would measure it again)."""
         kinds = self.estimates.kinds
         if not self.params.stand_in or len(path) != 2 or kinds.get(path[0]) != "ngram":
             return None
@@ -491,33 +500,25 @@ class EscalationPolicy(CostAwarePolicy):
             return None
         return best[1], best[2]
 
-    def _with_stand_in(self, ctx: PlanContext, plan: StepPlan, kind: str) -> StepPlan:
+    def _with_stand_in(self, ctx: PlanContext, plan: StepPlan, kind: Step) -> StepPlan:
         """``plan`` with the stand-in :meth:`_choose` picked, where the plan still starts with
         that n-gram level and drafts no tree."""
-        pick = self._stand_in if kind == "exploit" else None
+        pick = self._stand_in if kind == Step.EXPLOIT else None
         if pick is None or len(plan.path) != 2 or plan.tree or pick[0] not in ctx.available:
             return plan
         level, k = pick
-        stop = dict(plan.stop)
-        if isinstance(self, AutoPolicy) and self.stop:
-            stop[level] = self._stop_rule(ctx, (level, plan.path[1]))
-            k = k if self.verify_budget is not None else max(k, self.max_lookahead)
+        k, rule = self._block(ctx, (level, plan.path[1]), k)
+        stop = plan.stop if rule is None else {**plan.stop, level: rule}
         return StepPlan(plan.path, {**plan.lookahead, level: k}, stop, plan.tree, {plan.path[0]: level})
 
-    def _new_request(self, candidates: list[tuple[str, ...]], ctx: PlanContext, max_lookahead: int) -> None:
+    def _new_request(self, candidates: list[Path], ctx: PlanContext, max_lookahead: int) -> None:
         """A new request (at batch 1) is a new text. Prompt lookup's acceptance belongs to the
-        request — it pays where the answer repeats its prompt, up to 9 of 10 tokens, and not at
-        all elsewhere — so its estimates keep their means but carry only ``lookup_carry``
-        observations' worth into the new request, and its paths are probed at once (a probe
-        that finds no match to propose is retried at no cost): the request's own blocks then
-        decide, instead of whichever requests the shared estimates last saw.
-
-        A drafter's path priced out (its first level drafting nothing: lookahead 0) is treated
-        so too — its first edge softened to ``lookup_carry`` observations, the path probed at
-        once. Priced out, it is neither chosen nor named to stand in, so nothing but sparse
-        probe rounds would measure it again: one text where it drafted badly (a drafter's
-        acceptance swings several-fold between texts) would rule it out for good. A drafter
-        priced in keeps its estimates (its own blocks keep measuring it)."""
+        request (it pays where the answer repeats its prompt), so its estimates keep their means
+        but carry only ``lookup_carry`` observations into the request, and its paths are probed
+        at once: the request's own blocks decide. So too a drafter's path priced out (its first
+        level drafting nothing): neither chosen nor standing in, only sparse probe rounds would
+        measure it again, and one bad text would rule it out for good. A drafter priced in keeps
+        its estimates (its own blocks keep measuring it)."""
         kinds = self.estimates.kinds
         lookup = [p for p in candidates if len(p) > 1 and kinds.get(p[0]) == "ngram"]
         priced = self._price_paths(ctx, candidates, max_lookahead, self._estimates())
@@ -526,109 +527,92 @@ class EscalationPolicy(CostAwarePolicy):
         if not lookup and not out:
             return
         soften = {p[:2] for p in out}
-        for estimates in self.contexts.values():
+        regime = self.regimes[self.regime]
+        for estimates in regime.contexts.values():
             for (proposer, verifier), edge in estimates.edges.items():
                 if kinds.get(proposer) == "ngram" or (proposer, verifier) in soften:
-                    edge.soften(self.lookup_carry)
-        self._prices.clear()
+                    edge.soften(self.params.lookup_carry)
+        regime.prices.clear()
         for path in lookup + out:
-            if path not in self._probes:
-                self._probes.append(path)
-                self._request_probes.add(path)
+            if path not in self.probes.queue:
+                self.probes.queue.append(path)
+                self.probes.requests.add(path)
 
     def _priced(self, key: tuple, price):
-        """``price(estimates)``, reused for ``reprice_every`` plans: the estimates move a little
-        per step (they decay slowly), while pricing every path costs about a millisecond of
-        Python, a sizeable share of a small model's step."""
-        key = (self._context, *key)
-        hit = self._prices.get(key)
-        if hit is None or self._plans - hit[0] >= self.reprice_every:
-            hit = self._prices[key] = (self._plans, price(self._estimates()))
+        """``price(estimates)``, reused for ``reprice_every`` plans (the estimates move slowly)."""
+        key, prices, plans = (self._context, *key), self.regimes[self.regime].prices, self.probes.plans
+        hit = prices.get(key)
+        if hit is None or plans - hit[0] >= self.params.reprice_every:
+            hit = prices[key] = (plans, price(self._estimates()))
         return hit[1]
 
-    def _probe_round(self, priced: dict[tuple[str, ...], tuple]) -> list[tuple[str, ...]]:
-        """The paths of the next probe round, in random order: all of them in the warm-up and in
-        every other round; otherwise the contenders, priced within ``1 + contender_margin`` of
-        the best. Probes keep every edge's estimates sampled across the whole run, so that edges
-        are compared over the same texts (acceptance swings several-fold between texts)."""
-        self._rounds += 1
-        paths = list(priced)
-        if self._rounds > self.warmup and self._rounds % 2:
-            best = min(cost for cost, *_ in priced.values())
-            paths = [p for p in paths if priced[p][0] <= (1 + self.contender_margin) * best]
-        self.rng.shuffle(paths)
-        return paths
+    def _price_lookahead(self) -> int:
+        """The longest block paths are priced with."""
+        return self.params.max_lookahead
+
+    def _block(self, ctx: PlanContext, edge: tuple[str, str], k: int) -> tuple[int, StopRule | None]:
+        """The lookahead and stop rule of ``edge``'s proposer drafting the block the cost model
+        priced at ``k`` (escalation: that block, no stop)."""
+        return k, None
 
     def plan(self, ctx: PlanContext) -> StepPlan:
-        path, lookahead, kind, shape = self._choose(ctx, self.max_lookahead)
-        plan = _with_tree(self._under_load(ctx, path, lookahead), path, shape, self.verify_budget, ctx.batch_size)
+        path, lookahead, kind, shape = self._choose(ctx, self._price_lookahead())
+        p = self.params
+        plan = _with_tree(self._under_load(ctx, path, lookahead), path, shape, p.verify_budget, ctx.batch_size)
+        if not plan.tree and kind != Step.EXPLORE and len(plan.path) > 1:
+            first = plan.path[0]
+            k, rule = self._block(ctx, plan.path[:2], plan.lookahead[first])
+            if rule is not None:
+                plan = StepPlan(plan.path, {**plan.lookahead, first: k}, {first: rule})
         return self._with_stand_in(ctx, plan, kind)
 
     def observe(self, feedback: StepFeedback) -> None:
-        self.steps += 1
-        self._use_regime(feedback.sampled)
-        if self._probing is not None and not self._probing[1] and feedback.plan.path == self._probing[0]:
-            self._probing = (self._probing[0], any(e.proposed > 0 for e in feedback.edges), self._probing[2])
-        self.contexts[self._context].observe(feedback)
-        if self._probing_request and any(e.proposed > 0 for e in feedback.edges):
-            self._prices.clear()  # the request's first measurement of prompt lookup: price with it
-            self._probing_request = False
-        if self.confident is not None and feedback.confidence is not None:
-            self._context = feedback.confidence >= self.confident
+        super().observe(feedback)
+        probes, proposed = self.probes, any(e.proposed > 0 for e in feedback.edges)
+        if probes.last is not None and not probes.drafted and feedback.plan.path == probes.last:
+            probes.drafted = proposed
+        if probes.by_request and proposed:
+            self.regimes[self.regime].prices.clear()  # the request's first measurement: price with it
+            probes.by_request = False
+        if self.params.confident is not None and feedback.confidence is not None:
+            self._context = feedback.confidence >= self.params.confident
 
 
 class AutoPolicy(EscalationPolicy):
     """The default: escalation's choice of path (priced for the current batch size), and on
-    the path's first edge a long lookahead cut short by a calibrated stop.
-
-    The drafter keeps going while the estimated probability that its whole block is accepted
-    — the product, over its tokens, of the measured acceptance for the drafter's own
-    probability of each (``Calibration``, ``CalibratedStop``) — stays above a threshold at
-    which one more token stops paying: drafting it costs the drafter's pass plus the
-    verifier's extra position, and it earns that token's chance of acceptance times the
-    seconds a committed token costs on this path. ``stop_threshold`` fixes that threshold
-    instead; ``stop: false`` switches the stop off (lookahead from the cost model alone). Paths
-    are priced with blocks of at most ``price_lookahead``. With ``trees``, each shape is priced
-    beside the chain on the path's first edge (``Estimates.path_cost``) and a step takes the
-    cheapest: a tree has no stop.
-    """
+    the path's first edge a long lookahead cut short by a calibrated stop: the drafter goes on
+    while the estimated probability that its whole block is accepted (``Calibration``,
+    ``CalibratedStop``) stays above the threshold at which one more token stops paying — its
+    cost (the drafter's pass plus the verifier's extra position) against its chance of
+    acceptance times the seconds a committed token costs. ``stop_threshold`` fixes that
+    threshold; ``stop: false`` switches the stop off. Paths are priced with blocks of at most
+    ``price_lookahead``; each of ``trees`` is priced beside the chain on the first edge, and a
+    step takes the cheapest (a tree has no stop)."""
 
     name = "auto"
     Params = AutoParams
 
-    def __init__(self, params: AutoParams | None = None, /, **kwargs: Any):
-        super().__init__(params, **kwargs)
-        self.stop = self.params.stop
-        self.stop_threshold = self.params.stop_threshold
-        self.price_lookahead = self.params.price_lookahead
-
-    def plan(self, ctx: PlanContext) -> StepPlan:
+    def _price_lookahead(self) -> int:
         # With the stop, the price only has to rank paths: price with short blocks, the stop and
         # the long cap decide the block length.
-        path, lookahead, kind, shape = self._choose(ctx, min(self.max_lookahead, self.price_lookahead)
-                                                    if self.stop else self.max_lookahead)
-        plan = self._under_load(ctx, path, lookahead)
-        if shape is not None:  # a tree's shape is its length: no stop
-            treed = _with_tree(plan, path, shape, self.verify_budget, ctx.batch_size)
-            if treed.tree:
-                return treed
-        if not self.stop or kind == "explore" or len(plan.path) < 2:
-            return self._with_stand_in(ctx, plan, kind)
-        first = plan.path[0]
-        lookahead = dict(plan.lookahead)
-        if self.verify_budget is None:
-            lookahead[first] = max(lookahead[first], self.max_lookahead)
-        return self._with_stand_in(ctx, StepPlan(plan.path, lookahead, {first: self._stop_rule(ctx, plan.path)}), kind)
+        p = self.params
+        return min(p.max_lookahead, p.price_lookahead) if p.stop else p.max_lookahead
 
-    def _stop_rule(self, ctx: PlanContext, path: tuple[str, ...]) -> CalibratedStop:
+    def _block(self, ctx: PlanContext, edge: tuple[str, str], k: int) -> tuple[int, StopRule | None]:
+        """Up to ``max_lookahead`` (within a verification budget: ``k``), cut by the calibrated stop."""
+        p = self.params
+        if not p.stop:
+            return k, None
+        return (k if p.verify_budget is not None else max(k, p.max_lookahead)), self._stop_rule(ctx, edge)
+
+    def _stop_rule(self, ctx: PlanContext, edge: tuple[str, str]) -> CalibratedStop:
         estimates = self._estimates()
-        first, verifier = path[0], path[1]
-        calibration = estimates.calibration(first, verifier)
-        threshold = self.stop_threshold
+        calibration = estimates.calibration(*edge)
+        threshold = self.params.stop_threshold
         if threshold is None:
-            threshold = self._priced(("stop", path[:2], ctx.batch_size),
-                                     lambda estimates: self._threshold(estimates, path[:2], ctx.batch_size))
-        after_full = estimates.after_full.get((first, verifier), False)
+            threshold = self._priced(("stop", edge, ctx.batch_size),
+                                     lambda estimates: self._threshold(estimates, edge, ctx.batch_size))
+        after_full = estimates.after_full.get(edge, False)
         table = calibration.table(Calibration.FIRST_AFTER_FULL if after_full else Calibration.FIRST_AFTER_REJECT)
         return CalibratedStop(table, calibration.table(Calibration.LATER), threshold)
 
@@ -639,12 +623,13 @@ class AutoPolicy(EscalationPolicy):
         edge."""
         first, verifier = edge
         rates: dict[str, float] = {}
-        _, lookahead = estimates.path_cost(edge, self.price_lookahead, batch=batch, rates=rates)
+        price_lookahead = self.params.price_lookahead
+        _, lookahead = estimates.path_cost(edge, price_lookahead, batch=batch, rates=rates)
         draft = estimates.cost(first, batch, 1) or 0.0
         # A drafted position's share of the verifying pass: averaged over the block the cost
         # model would draft (the price lookahead if none), since a pass is not linear in its
         # positions — on a CPU the second position can cost most of a pass, the next few little.
-        k = lookahead.get(first) or self.price_lookahead
+        k = lookahead.get(first) or price_lookahead
         one, wide = estimates.cost(verifier, batch, 1), estimates.cost(verifier, batch, k + 1)
         extra = (wide - one) / k if one is not None and wide is not None else 0.0
         value = rates[verifier] * estimates.calibration(first, verifier).mean(Calibration.LATER)

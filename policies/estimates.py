@@ -7,6 +7,7 @@ novel logic).
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 import statistics
 from collections import deque
@@ -154,19 +155,17 @@ class PassModel:
     exponentially weighted non-negative least squares, stalls clipped. And the cost of one pass
     by its positions, measured: per :func:`width_bucket`, the median of its last ``window``
     passes (the median shrugs off a stalled call). Real passes are not linear in their
-    positions: SmolLM2-135M-Instruct in float32 on an AVX2 core cost 1.9x a one-position pass for
-    2 positions and 2.2x for 8 (the matrix kernel changes with the rows), where a line through 1
-    and 33 positions puts them at 1.1x and 1.8x. :meth:`pass_seconds` interpolates between the measured buckets (each
-    with at least ``min_samples`` passes, made non-decreasing) and extrapolates beyond them
-    along the line's slope; with none measured it is the line.
+    positions (the matrix kernel changes with the rows): :meth:`pass_seconds` interpolates
+    between the measured buckets (each with at least ``min_samples`` passes, made
+    non-decreasing) and extrapolates beyond them along the line's slope; with none measured it
+    is the line.
 
     A width the policy stops choosing is not measured again until a probe, while the passes it
     does choose keep moving (a pass costs more over a longer context; a new request starts
     short): a wider bucket left at the end of a long request would price speculation out for
-    good (seen on SmolLM2: 2-position passes kept at 60 ms while one-position passes had fallen
-    to 45 ms, and drafting stopped). So each pass is kept with the narrowest bucket's median
-    when it was measured (:meth:`_reference`), and priced as a multiple of that bucket's median
-    now: the curve's shape is measured, its level follows the passes run now."""
+    good. So each pass is kept with the narrowest bucket's median when it was measured
+    (:meth:`_reference`), and priced as a multiple of that bucket's median now: the curve's
+    shape is measured, its level follows the passes run now."""
 
     fit_decay: float = 0.97
     window: int = 15
@@ -358,11 +357,10 @@ class LevelCost:
 
         A batch size's line splits a pass into fixed and per-position cost only as far as its
         passes differ in width: a batch that has only decoded (every pass one position per
-        sequence) gives the line an arbitrary split, which put SmolLM2's 8-position pass at batch
-        4 at twice its 4-position one (measured: 1.14x) and priced speculation out for good — a
-        width not chosen is not measured. Another batch size's measured shape is a far better
-        guess, an optimistic one where a larger batch pays more per position; a width then
-        chosen is measured, and its own bucket prices it from there."""
+        sequence) gives the line an arbitrary split, which can price a wider pass far too dear
+        and speculation out for good — a width not chosen is not measured. Another batch size's
+        measured shape is a far better guess, an optimistic one where a larger batch pays more
+        per position; a width then chosen is measured, and its own bucket prices it from there."""
         span = model.span()
         if span is None or span[0] <= positions <= span[1]:
             return model.pass_seconds(positions)
@@ -388,8 +386,8 @@ def confidence_bin(p: float) -> int:
 class Calibration:
     """How often the verifier accepts a draft token, by the drafter's own probability of it.
 
-    A small model's probabilities are not acceptance probabilities (the bundled tiny model
-    gives 0.1–0.3 to tokens the large model accepts 90% of the time), so a stop rule on the raw
+    A small model's probabilities are not acceptance probabilities (a small drafter can give
+    low probabilities to tokens the verifier nearly always accepts), so a stop rule on the raw
     probability misjudges; this table maps each confidence bin to the measured conditional
     acceptance. Three contexts: the first token of a block after a fully accepted block, the
     first after a rejection, and later tokens (given the ones before were accepted). Starts
@@ -431,7 +429,8 @@ class Estimates:
     """Acceptance of every edge (by position, and by the drafter's confidence) and cost of every
     level, updated from step feedback and measured calls."""
 
-    def __init__(self, prior: float = 0.6, decay: float = 0.98, pool_weight: float = 0.0):
+    def __init__(self, prior: float = 0.6, decay: float = 0.98, pool_weight: float = 0.0,
+                 costs: dict[str, LevelCost] | None = None):
         self.prior = prior
         self.decay = decay
         self.pool_weight = pool_weight
@@ -439,8 +438,19 @@ class Estimates:
         self.edges: dict[tuple[str, str], EdgeAcceptance] = {}
         self.trees: dict[tuple[str, str], TreeAcceptance] = {}
         self.calibrations: dict[tuple[str, str], Calibration] = {}
-        self.costs: dict[str, LevelCost] = {}
+        self.costs: dict[str, LevelCost] = {} if costs is None else costs  # shareable: they are the levels'
         self.after_full: dict[tuple[str, str], bool] = {}  # was the edge's last block accepted whole?
+
+    def fork(self, carry: float) -> "Estimates":
+        """A copy of what was measured of acceptance, each edge's kept with at most ``carry``
+        observations of it; the costs (and the levels' kinds) shared, not copied."""
+        twin = Estimates(self.prior, self.decay, self.pool_weight, self.costs)
+        twin.kinds = self.kinds
+        twin.edges, twin.trees, twin.calibrations, twin.after_full = copy.deepcopy(
+            (self.edges, self.trees, self.calibrations, self.after_full))
+        for edge in twin.edges.values():
+            edge.soften(carry)
+        return twin
 
     def edge(self, proposer: str, verifier: str) -> EdgeAcceptance:
         key = (proposer, verifier)
@@ -496,15 +506,14 @@ class Estimates:
         in rounds: k tokens from below (k times the cost per token below) plus one forward pass
         of its own over k + 1 positions, yielding ``expected_tokens(k)`` tokens. The best k per
         edge is chosen bottom-up (``rates``, if given, receives each level's seconds per token it
-        emits). With
-        ``pool_weight``, an edge's acceptance is shrunk towards the rate pooled over all edges
-        into the same verifier, worth that many observations: drafters checked by one model
-        accept alike unless measured otherwise, so a rarely tried edge is priced mostly by its
-        (well measured) costs instead of by a few noisy rounds. Only drafters of one kind
+        emits). With ``pool_weight``, an edge's acceptance is shrunk towards the rate pooled over
+        all edges into the same verifier, worth that many observations: drafters checked by one
+        model accept alike unless measured otherwise, so a rarely tried edge is priced mostly by
+        its (well measured) costs instead of by a few noisy rounds. Only drafters of one kind
         (``kinds``: models, an n-gram level, a feature head) pool: prompt lookup proposes only
-        where the text repeats and is then accepted far more often than a small model is, so a
-        rate pooled across kinds would misprice both. Under load a pass's fixed cost is shared by the batch while
-        each position still costs its own, which is what makes speculation stop paying.
+        where the text repeats and is then accepted far more often than a small model is. Under
+        load a pass's fixed cost is shared by the batch while each position still costs its own,
+        which is what makes speculation stop paying.
 
         With ``tree`` (widths per depth), the first edge is a tree of the first level's top
         candidates instead of a block: one drafting pass per depth over the nodes one depth up,

@@ -7,7 +7,7 @@ import torch
 
 from policies import PolicyError, make_policy, parse_policy_spec
 from policies.adaptive import (
-    AutoPolicy, ConfidencePolicy, CostAwarePolicy, EntropyPolicy, EscalationPolicy,
+    AutoPolicy, ConfidencePolicy, CostAwarePolicy, EntropyPolicy, EscalationPolicy, Regime,
 )
 from policies.base import DraftStep, EdgeOutcome, PlanContext, StepFeedback, StepPlan, draft_step
 from policies.estimates import (BINS, Calibration, EdgeAcceptance, Estimates, LevelCost, TreeAcceptance, confidence_bin,
@@ -178,7 +178,7 @@ def test_escalation_reprices_every_few_plans():
     paths = len(policy._candidates(ctx(DAG)))
     assert policy.plan(ctx(DAG)).path == ("tiny", "large")
     teach(policy, ("tiny", "large"), [("tiny", "large", 4, 0)], seconds, rounds=200)  # tiny -> large now fails
-    chosen = [policy.plan(ctx(DAG)).path for _ in range(policy.reprice_every)]
+    chosen = [policy.plan(ctx(DAG)).path for _ in range(policy.params.reprice_every)]
     assert len(calls) == 2 * paths  # priced at the first plan and again after reprice_every plans
     assert chosen[0] == ("tiny", "large") and chosen[-1] != ("tiny", "large")
     policy.plan(PlanContext(DAG, "large", 100, 0, frozenset(DAG.nodes), batch_size=8))
@@ -361,8 +361,7 @@ def test_a_probe_in_which_nothing_was_proposed_is_taken_again():
     """Prompt lookup proposes nothing where the text does not repeat; a probe of its path then
     measured nothing, and is retried (up to probe_retries) until something is proposed."""
     graph = nx.DiGraph([("ngram", "large")])
-    policy = bound(EscalationPolicy(explore=0.0, warmup=1, probe_every=10**9), graph)
-    policy.probe_retries = 3
+    policy = bound(EscalationPolicy(explore=0.0, warmup=1, probe_every=10**9, probe_retries=3), graph)
 
     def plan_and_answer(proposed):
         path, lookahead, kind, _ = policy._choose(ctx(graph), 8)
@@ -393,7 +392,7 @@ def test_speculation_stops_paying_under_load():
     assert est.path_cost(("tiny", "large"), 8, batch=1)[1]["tiny"] >= 2
     assert est.path_cost(("tiny", "large"), 8, batch=64)[1]["tiny"] == 0
     policy = bound(CostAwarePolicy(explore=0.0), nx.DiGraph([("tiny", "large")]))
-    policy.estimates = est
+    policy.regimes[False] = Regime({False: est})
     at = lambda b: policy.plan(PlanContext(policy.graph, "large", 100, 0, frozenset({"tiny", "large"}), batch_size=b))
     assert at(1).path == ("tiny", "large") and at(64).path == ("large",)
 
@@ -537,10 +536,10 @@ def test_escalation_backs_off_its_probes_while_the_choice_holds():
     starts = round_starts(80)
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert gaps == [8, 16, 16, 16, 16], starts  # 4, then doubled per unchanged round, capped at 4 x 4
-    assert policy._current[frozenset(DAG.nodes)] == ("tiny", "large")
+    assert policy.regimes[False].current[frozenset(DAG.nodes)] == ("tiny", "large")
     teach(policy, ("tiny", "large"), [("tiny", "large", 4, 0)], seconds, rounds=200)  # the text changes
     starts = round_starts(40)
-    assert policy._current[frozenset(DAG.nodes)] != ("tiny", "large")
+    assert policy.regimes[False].current[frozenset(DAG.nodes)] != ("tiny", "large")
     # the switch brought the interval back to 4: a round at once, then 8, 16 again (not 16, 16)
     assert [b - a for a, b in zip(starts, starts[1:])] == [8, 16], starts
     with pytest.raises(PolicyError, match="probe_backoff"):
@@ -694,18 +693,16 @@ def test_greedy_and_sampled_steps_keep_their_own_estimates():
     """Prompt lookup accepted whole when decoding greedily and rejected when sampling (as on
     SmolLM2, 0.59 against 0.17): each regime is priced with its own blocks — greedy steps keep
     prompt lookup, sampled ones leave it for the drafter — and the sampled regime, first seen,
-    starts from the greedy estimates carried over as ``REGIME_CARRY`` observations, costs
+    starts from the greedy estimates carried over as ``regime_carry`` observations, costs
     shared. With one set of estimates for both, the greedy blocks keep the sampled steps on
     prompt lookup."""
-    from policies.adaptive import REGIME_CARRY
-
     graph = nx.DiGraph([("ngram", "large"), ("tiny", "large")])
     graph.nodes["ngram"]["kind"] = "ngram"
 
     def run(apart: bool):
         policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9, pool_weight=0.0), graph)
-        if not apart:
-            policy._use_regime = lambda sampled: None
+        if not apart:  # one regime under both names
+            policy.regimes[True] = policy.regimes[False]
         greedy = policy.estimates
         measured_costs(greedy)
         steps = iter(range(10**6))  # one request: the step never drops back
@@ -729,7 +726,7 @@ def test_greedy_and_sampled_steps_keep_their_own_estimates():
             sampled = policy.estimates
             assert sampled is not greedy and sampled.costs is greedy.costs
             lookup = sampled.edge("ngram", "large")
-            assert lookup.seen[0] == pytest.approx(REGIME_CARRY)
+            assert lookup.seen[0] == pytest.approx(policy.params.regime_carry)
             assert lookup.accepted[0] / lookup.seen[0] == pytest.approx(lookup_mean)
         for _ in range(40):
             plan(True, lookup_accepts=0)
@@ -786,8 +783,8 @@ def test_auto_names_a_stand_in_when_it_takes_prompt_lookup():
     plans = {}
     for accepted, enabled in ((3, True), (0, True), (3, False)):
         policy = bound(AutoPolicy(explore=0.0, warmup=0, probe_every=10**9, stand_in=enabled), graph)
-        policy.estimates.kinds = policy.contexts[True].kinds = policy.contexts[False].kinds = \
-            {"ngram": "ngram", "tiny": "hf", "large": "hf"}
+        for estimates in policy.regimes[False].contexts.values():
+            estimates.kinds = {"ngram": "ngram", "tiny": "hf", "large": "hf"}
         teach(policy, ("ngram", "large"), [("ngram", "large", 4, 4)], seconds)
         teach(policy, ("tiny", "large"), [("tiny", "large", 4, accepted)], seconds)
         plans[accepted, enabled] = policy.plan(ctx(graph))
@@ -805,15 +802,15 @@ def test_a_stand_in_that_beats_the_authority_by_less_than_the_draft_margin_still
     graph = nx.DiGraph([("ngram", "large"), ("tiny", "large")])
     seconds = {"ngram": 1e-6, "tiny": 0.006, "large": 0.040}
     policy = bound(AutoPolicy(explore=0.0, warmup=0, probe_every=10**9, draft_margin=0.1), graph)
-    policy.estimates.kinds = policy.contexts[True].kinds = policy.contexts[False].kinds = \
-        {"ngram": "ngram", "tiny": "hf", "large": "hf"}
+    for estimates in policy.regimes[False].contexts.values():
+        estimates.kinds = {"ngram": "ngram", "tiny": "hf", "large": "hf"}
     teach(policy, ("ngram", "large"), [("ngram", "large", 4, 4)], seconds)
     teach(policy, ("tiny", "large"), [("tiny", "large", 4, 1)], seconds, rounds=12)
     teach(policy, ("tiny", "large"), [("tiny", "large", 4, 0)], seconds, rounds=48)
     estimates = policy._estimates()
     drafting = estimates.path_cost(("tiny", "large"), 12)[0]
     alone = estimates.path_cost(("large",), 12)[0]
-    assert alone / (1 + policy.draft_margin) < drafting < alone  # cheaper, by less than the margin
+    assert alone / (1 + policy.params.draft_margin) < drafting < alone  # cheaper, by less than the margin
     plan = policy.plan(ctx(graph))
     assert plan.path == ("ngram", "large") and plan.stand_in == {"ngram": "tiny"}
     # as a path of its own against the authority alone, the margin still holds it back

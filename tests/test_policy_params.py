@@ -33,6 +33,12 @@ BAD = [
     ("cost-aware", {"prior": float("nan")}, "prior"),  # non-finite
     ("escalation", {"pool_weight": float("inf")}, "pool_weight"),  # non-finite
     ("escalation", {"probe_backoff": 0}, "probe_backoff"),
+    ("escalation", {"probe_retries": -1}, "probe_retries"),
+    ("escalation", {"contender_margin": float("nan")}, "contender_margin"),
+    ("auto", {"reprice_every": 0}, "reprice_every"),
+    ("cost-aware", {"regime_carry": -1.0}, "regime_carry"),
+    ("cost-aware", {"explore_steps": 0}, "explore_steps"),
+    ("auto", {"explore_lookahead": 65}, "explore_lookahead"),
     ("escalation", {"path": ["tiny", "large"]}, "path"),  # escalation chooses the path itself
     ("auto", {"stop": 1}, "stop"),  # a strict bool
     ("auto", {"stop_threshold": 2}, "stop_threshold"),
@@ -57,24 +63,24 @@ def test_a_bad_parameter_is_one_error_naming_policy_and_field(name, params, fiel
 
 def test_defaults_and_numpy_integers():
     auto = AutoPolicy()
-    assert (auto.max_lookahead, auto.explore, auto.estimates.prior, auto.estimates.decay) == (32, 0.0, 0.7, 0.999)
-    assert (auto.warmup, auto.probe_every, auto.probe_backoff, auto.price_lookahead, auto.stop) == (2, 128, 8, 12, True)
-    esc = EscalationPolicy()
-    assert (esc.max_lookahead, esc.explore, esc.estimates.prior, esc.draft_margin, esc.confident) == (8, 0.05, 0.7, 0.1, None)
-    cost = CostAwarePolicy()
-    assert (cost.max_lookahead, cost.explore, cost.estimates.prior, cost.verify_budget) == (8, 0.1, 0.6, None)
+    esc, cost = EscalationPolicy(), CostAwarePolicy()
+    a, e, c = auto.params, esc.params, cost.params
+    assert (a.max_lookahead, a.explore, auto.estimates.prior, auto.estimates.decay) == (32, 0.0, 0.7, 0.999)
+    assert (a.warmup, a.probe_every, a.probe_backoff, a.price_lookahead, a.stop) == (2, 128, 8, 12, True)
+    assert (e.max_lookahead, e.explore, esc.estimates.prior, e.draft_margin, e.confident) == (8, 0.05, 0.7, 0.1, None)
+    assert (c.max_lookahead, c.explore, cost.estimates.prior, c.verify_budget) == (8, 0.1, 0.6, None)
     assert FixedPolicy().lookahead_for("tiny") == 4
     conf = ConfidencePolicy()
     assert (conf.lookahead, conf.threshold, conf.mode) == (8, 0.4, "token")
     # integer-like numpy scalars count as integers, and come out as ints
     fixed = FixedPolicy(lookahead={"tiny": np.int64(3)})
     assert fixed.lookahead_for("tiny") == 3 and type(fixed.lookahead_for("tiny")) is int
-    assert type(AutoPolicy(max_lookahead=np.int32(16), seed=np.uint8(3)).max_lookahead) is int
+    assert type(AutoPolicy(max_lookahead=np.int32(16), seed=np.uint8(3)).params.max_lookahead) is int
 
 
 def test_construction_is_keyword_only_from_one_params_model():
     params = AutoPolicy.Params(max_lookahead=16, warmup=0)
-    assert AutoPolicy(params).params is params and AutoPolicy(params).max_lookahead == 16
+    assert AutoPolicy(params).params is params and AutoPolicy(params).params.max_lookahead == 16
     with pytest.raises(PolicyError, match="^params: ConfidencePolicy takes keyword arguments"):
         ConfidencePolicy(8)  # positional values no longer bind by position
     with pytest.raises(PolicyError, match="^params: AutoPolicy takes keyword arguments"):
@@ -156,7 +162,7 @@ def test_from_topology_applies_keyword_params_to_the_files_policy(tmp_path):
     with Cascade.from_topology(path, lookahead=3) as c:
         assert c.engine.policy.params == FixedPolicy.Params(lookahead=3, path=["b", "c"])
     with Cascade.from_topology(path, policy="auto", max_lookahead=10) as c:
-        assert isinstance(c.engine.policy, AutoPolicy) and c.engine.policy.max_lookahead == 10
+        assert isinstance(c.engine.policy, AutoPolicy) and c.engine.policy.params.max_lookahead == 10
     with pytest.raises(RequestError, match=r"^policy: params\.lookahead: .*policy 'fixed', got -1"):
         Cascade.from_topology(path, lookahead=-1)
     with pytest.raises(RequestError, match=r"^policy: params\.nonsense: unknown parameter"):
