@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 from cascade.pull import cache_root
 from workers import lean
