@@ -17,8 +17,9 @@
 # one into head/ with its figures in the model card (README.md here).
 #
 # Each round records ROUND_SEQUENCES more conversations (BATCH at a time, continuous batching:
-# docs/real-model.md says which BATCH was fastest where), then trains the head for MINUTES from
-# the previous round's head (the committed one first) over all records, at learning rate LR.
+# docs/real-model.md says which BATCH was fastest where), then trains the head from the previous
+# round's head (the committed one first) over all records, PASSES times over them at most and for
+# MINUTES at most, at learning rate LR.
 set -euo pipefail
 
 cd "$(dirname "$0")/../../.."
@@ -27,6 +28,7 @@ WORK=${SMOLLM2_WORK:-$HOME/.cache/cascade/work/smollm2}
 BATCH=${BATCH:-32}
 ROUND_SEQUENCES=${ROUND_SEQUENCES:-640}
 MINUTES=${MINUTES:-30}
+PASSES=${PASSES:-4}
 LR=${LR:-3e-4}
 THREADS=${THREADS:-1}
 mkdir -p "$WORK/stream"
@@ -65,9 +67,11 @@ while true; do
   round=$(ls -d "$WORK/stream"/head-* 2>/dev/null | wc -l)
   from=$(ls -d "$WORK/stream"/head-* 2>/dev/null | sort -V | tail -n 1)
   from=${from:-$HERE/head}
-  echo "$(date -u +%FT%TZ) training head-$((round + 1)) from $from for $MINUTES minutes"
+  tokens=$(python -c "import json,sys; print(sum(s['tokens'] for s in json.load(open(sys.argv[1]))['shards'].values()))" "$WORK/record/record.json")
+  steps=$(( tokens * PASSES / 2048 > 50 ? tokens * PASSES / 2048 : 50 ))  # PASSES over the data, 8 x 256 a step
+  echo "$(date -u +%FT%TZ) training head-$((round + 1)) from $from: $steps steps over $tokens tokens, at most $MINUTES minutes"
   cascade distill --head --init "$from" --records "$WORK/record" --teacher pulled:smollm2-135m-instruct \
-    --out "$WORK/stream/head-$((round + 1))" --steps 100000 --max-minutes "$MINUTES" --seq-len 256 \
+    --out "$WORK/stream/head-$((round + 1))" --steps "$steps" --max-minutes "$MINUTES" --seq-len 256 \
     --batch-size 8 --lr "$LR" --warmup 20 --amp auto --threads "$THREADS" --device cpu \
     --save-dtype bfloat16 --work-dir "$WORK/stream/train-$((round + 1))" --checkpoint-minutes 5 --no-progress
   python "$HERE/eval_heldout.py" --head --fixed "$WORK/stream/head-$((round + 1))" \
