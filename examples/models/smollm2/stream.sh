@@ -31,7 +31,7 @@ MINUTES=${MINUTES:-30}
 PASSES=${PASSES:-4}
 LR=${LR:-3e-4}
 THREADS=${THREADS:-1}
-mkdir -p "$WORK/stream"
+mkdir -p "$WORK/stream" "$HERE/records"
 
 running() { pgrep -f -- "stream.sh run $WORK" >/dev/null; }
 cascade() { python -c 'import sys; from cascade.cli import main; sys.exit(main())' "$@"; }
@@ -59,13 +59,13 @@ case "${1:-start}" in
 esac
 
 while true; do
-  kept=$(ls "$HERE/records"/shard-*.npz 2>/dev/null | wc -l)
+  kept=$(find "$HERE/records" -name 'shard-*.npz' 2>/dev/null | wc -l)
   sequences=$(( (kept + ROUND_SEQUENCES / BATCH) * BATCH ))
   echo "$(date -u +%FT%TZ) round: $kept shards kept; recording to $sequences sequences"
   cascade record --model pulled:smollm2-135m-instruct --out "$WORK/record" --keep "$HERE/records" \
     --sequences "$sequences" --batch "$BATCH" --threads "$THREADS"
-  round=$(ls -d "$WORK/stream"/head-* 2>/dev/null | wc -l)
-  from=$(ls -d "$WORK/stream"/head-* 2>/dev/null | sort -V | tail -n 1)
+  round=$(find "$WORK/stream" -maxdepth 1 -name 'head-*' | wc -l)
+  from=$(find "$WORK/stream" -maxdepth 1 -name 'head-*' | sort -V | tail -n 1)
   from=${from:-$HERE/head}
   tokens=$(python -c "import json,sys; print(sum(s['tokens'] for s in json.load(open(sys.argv[1]))['shards'].values()))" "$WORK/record/record.json")
   steps=$(( tokens * PASSES / 2048 > 50 ? tokens * PASSES / 2048 : 50 ))  # PASSES over the data, 8 x 256 a step
