@@ -8,6 +8,9 @@
 * :mod:`workers.kernels.few_rows` — float32 products for passes of a few rows on an AVX2 CPU,
   from ``few_rows.c``, built with the package as an optional extension (``setup.py``); a machine
   that could not build it gets torch's products, logged once.
+* :mod:`workers.kernels.int4` — torch's CPU weight-only int4 kernel over 4-bit groups, the
+  products of a quantized level (:mod:`workers.quant`): checked on a probe when a level loads,
+  and used up to the widest pass at which it measured faster than the level's float products.
 
 Nothing here is compiled at run time. What each path costs is in docs/engine.md ("Batches
 underneath") and the results log.
