@@ -200,7 +200,7 @@ class _Feed(NamedTuple):
 
 # Prompt positions a long prompt's prefill computes per batch step (Batch): a few hundred keep
 # the others' steps short while costing the long request little over one piece (docs/serving.md)
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = 256
 
 
 class Engine:

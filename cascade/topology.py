@@ -190,7 +190,7 @@ class TopologySpec(BaseModel):
     ray: RaySpec = Field(default_factory=RaySpec, description="Ray backend settings (backend: ray).")
     serve: ServeSpec = Field(default_factory=ServeSpec, description="Ray Serve settings (cascade serve --backend ray).")
     prefill_chunk: Annotated[int, Field(ge=1, strict=True)] | None = Field(
-        512, description="A prompt longer than this is prefilled this many positions per batch step, "
+        256, description="A prompt longer than this is prefilled this many positions per batch step, "
         "between the other requests' steps (docs/serving.md, 'Long prompts'); null: in one piece.")
 
     @model_validator(mode="after")

@@ -233,5 +233,5 @@ def test_a_bad_prefill_chunk_is_refused(value):
     levels = [{"name": n, "kind": "test_engine_faults:FailingTableWorker"} for n in ("tiny", "large")]
     with pytest.raises(TopologyError, match="prefill_chunk"):
         topology_from_dict({"levels": levels, "prefill_chunk": value})
-    assert topology_from_dict({"levels": levels}).spec.prefill_chunk == 512
+    assert topology_from_dict({"levels": levels}).spec.prefill_chunk == 256
     assert topology_from_dict({"levels": levels, "prefill_chunk": None}).spec.prefill_chunk is None
