@@ -137,10 +137,11 @@ def sampling_probs(
     ``top_p == 1`` switch those filters off. Computed in at least float32.
     """
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    logits = logits.to(dtype)
-    if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dtype)
-    logits = logits / temperature
+    if temperature == 0:  # written in place: one_hot would build an int64 row first
+        hot = logits.new_zeros(logits.shape, dtype=dtype)
+        return hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    # divided in place where the cast made a copy (the same quotients as a new tensor)
+    logits = logits.to(dtype).div_(temperature) if logits.dtype != dtype else logits / temperature
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -250,17 +251,52 @@ def sample_with_uniform(
     """Inverse-CDF sampling: the token whose cumulative-mass interval contains ``u * total``.
 
     A token of zero mass has an empty interval and can never be returned.
+
+    Where a batch's mass sits on few tokens (top-p, top-k, one-hot greedy rows, a draft
+    vocabulary) the cumulative sums run over those tokens alone (:func:`_sample_sparse`, the
+    same tokens bit for bit), not over every row's whole vocabulary in float64.
     """
+    rows = probs.reshape(-1, probs.shape[-1])
+    row, token = rows.nonzero(as_tuple=True)
+    if token.numel() * SPARSE_RACE_FRACTION < rows.numel():
+        counts = torch.bincount(row, minlength=rows.shape[0])
+        if bool((counts > 0).all()):
+            return _sample_sparse(rows, row, token, counts, uniforms.reshape(-1)).reshape(probs.shape[:-1])
     cdf = probs.to(torch.float64).cumsum(-1)
     point = uniforms.to(torch.float64).unsqueeze(-1) * cdf[..., -1:]
     idx = torch.searchsorted(cdf, point, right=True).squeeze(-1)
-    if idx.dim() == 0:  # one row: the common case, kept cheap
+    if idx.dim() == 0:  # one row
         if int(idx) < probs.shape[-1]:
             return idx
         return (probs > 0).nonzero()[-1, 0]
     # u * total can round up to total itself; fall back to the last token with mass.
     last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)
     return torch.minimum(idx, last_positive)
+
+
+def _sample_sparse(
+    rows: torch.Tensor,  # [n, vocab]
+    row: torch.Tensor,  # [m]: the row of each entry with mass, rows in order
+    token: torch.Tensor,  # [m]: its token, ascending within a row
+    counts: torch.Tensor,  # [n]: entries with mass per row, each >= 1
+    uniforms: torch.Tensor,  # [n]
+) -> torch.Tensor:  # [n] long
+    """:func:`sample_with_uniform` over each row's tokens with mass, packed left into a
+    ``[n, most]`` block padded with zeros. A running float64 sum is unchanged by the zeros it
+    skips (x + 0 == x), so every cumulative sum and total is the dense one, and the first entry
+    whose sum exceeds ``u * total`` is the dense search's token; past the last (the point
+    rounded up to the total) it is the last token with mass, as the dense fallback."""
+    n = rows.shape[0]
+    starts = counts.cumsum(0) - counts
+    col = torch.arange(row.numel(), device=row.device) - starts[row]
+    mass = rows.new_zeros((n, int(counts.max())), dtype=torch.float64)
+    mass[row, col] = rows[row, token].to(torch.float64)
+    tokens = torch.zeros(mass.shape, dtype=torch.long, device=row.device)
+    tokens[row, col] = token
+    cdf = mass.cumsum(-1)
+    point = uniforms.to(device=cdf.device, dtype=torch.float64).unsqueeze(-1) * cdf[:, -1:]
+    at = torch.searchsorted(cdf, point, right=True).squeeze(-1)
+    return tokens.gather(-1, torch.minimum(at, counts - 1).unsqueeze(-1)).squeeze(-1)
 
 
 _KEY_MASK = (1 << 53) - 1  # a key travels in a uniform's float64 slot: it must stay an exact integer
