@@ -281,22 +281,35 @@ def _sample_sparse(
     counts: torch.Tensor,  # [n]: entries with mass per row, each >= 1
     uniforms: torch.Tensor,  # [n]
 ) -> torch.Tensor:  # [n] long
-    """:func:`sample_with_uniform` over each row's tokens with mass, packed left into a
-    ``[n, most]`` block padded with zeros. A running float64 sum is unchanged by the zeros it
-    skips (x + 0 == x), so every cumulative sum and total is the dense one, and the first entry
-    whose sum exceeds ``u * total`` is the dense search's token; past the last (the point
-    rounded up to the total) it is the last token with mass, as the dense fallback."""
-    n = rows.shape[0]
-    starts = counts.cumsum(0) - counts
-    col = torch.arange(row.numel(), device=row.device) - starts[row]
-    mass = rows.new_zeros((n, int(counts.max())), dtype=torch.float64)
-    mass[row, col] = rows[row, token].to(torch.float64)
-    tokens = torch.zeros(mass.shape, dtype=torch.long, device=row.device)
-    tokens[row, col] = token
+    """:func:`sample_with_uniform` over each row's tokens with mass, packed left
+    (:func:`_packed`). A running float64 sum is unchanged by the zeros it skips (x + 0 == x), so
+    every cumulative sum and total is the dense one, and the first entry whose sum exceeds
+    ``u * total`` is the dense search's token; past the last (the point rounded up to the
+    total) it is the last token with mass, as the dense fallback."""
+    mass, tokens = _packed(row, token, counts, rows[row, token].to(torch.float64))
     cdf = mass.cumsum(-1)
     point = uniforms.to(device=cdf.device, dtype=torch.float64).unsqueeze(-1) * cdf[:, -1:]
     at = torch.searchsorted(cdf, point, right=True).squeeze(-1)
     return tokens.gather(-1, torch.minimum(at, counts - 1).unsqueeze(-1)).squeeze(-1)
+
+
+def _packed(
+    row: torch.Tensor,  # [m]: rows in order
+    token: torch.Tensor,  # [m]: ascending within a row
+    counts: torch.Tensor,  # [n]: entries per row
+    values: torch.Tensor,  # [m] float64
+) -> tuple[torch.Tensor, torch.Tensor]:  # [n, most] float64 (zero-padded), [n, most] long
+    """Each row's entries moved left into a ``[n, most]`` block, in token order, with their
+    tokens beside them: a scan or an argmax over a row's block meets its entries in the order
+    it meets them over the whole row."""
+    starts = counts.cumsum(0) - counts
+    col = torch.arange(row.numel(), device=row.device) - starts[row]
+    shape = (counts.shape[0], int(counts.max()))
+    packed = torch.zeros(shape, dtype=torch.float64, device=values.device)
+    packed[row, col] = values
+    tokens = torch.zeros(shape, dtype=torch.long, device=row.device)
+    tokens[row, col] = token
+    return packed, tokens
 
 
 _KEY_MASK = (1 << 53) - 1  # a key travels in a uniform's float64 slot: it must stay an exact integer
@@ -367,6 +380,10 @@ def sample_with_keys(
     else:  # the noise on the CPU, as race_noise computes it
         where = keys.cpu().to(torch.int64)[row.cpu()], token.cpu()
         noise = _noise_at(*where, rows.shape[-1]).to(rows.device)
+        counts = torch.bincount(row, minlength=rows.shape[0])
+        if bool((counts > 0).all()):  # each row's race over its tokens with mass alone (_packed)
+            ratios, tokens = _packed(row, token, counts, rows[row, token].to(torch.float64) / noise)
+            return tokens.gather(-1, ratios.argmax(-1, keepdim=True)).reshape(probs.shape[:-1])
         ratios = torch.zeros(rows.shape, dtype=torch.float64, device=rows.device)
         ratios[row, token] = rows[row, token].to(torch.float64) / noise
     return ratios.argmax(-1).reshape(probs.shape[:-1])

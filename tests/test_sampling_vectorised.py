@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cascade.sampling import Sampling, sample_with_keys, sample_with_uniform, sampling_probs
+from cascade.sampling import Sampling, position_keys, race_noise, sample_with_keys, sample_with_uniform, sampling_probs
 
 VOCAB = 49152
 
@@ -92,3 +92,20 @@ def test_drawing_a_batch_equals_each_row_alone(coupling):
     assert got.tolist() == [int(sampling.draw(probs[r:r + 1], draws[r:r + 1])) for r in range(32)]
     if coupling == "gumbel":
         assert torch.equal(got, sample_with_keys(probs, draws))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keyed_race_over_packed_rows_equals_the_race_over_whole_rows(dtype):
+    """sample_with_keys races each row over its tokens with mass, packed: the winner is the
+    whole row's race winner with race_noise (the keyed contract: noise a function of
+    (seed, position, token) alone), for sparse batches and mixed ones."""
+    g = torch.Generator().manual_seed(9)
+    for trial in range(10):
+        n = int(torch.randint(1, 33, (1,), generator=g))
+        rows = random_rows(g, n, VOCAB, dtype)
+        if trial % 2:
+            rows[rows.sum(-1) > 0.0] *= (torch.rand(n, VOCAB, generator=g) < 0.01)[rows.sum(-1) > 0.0].to(dtype)
+            rows[:, 0] += (rows.sum(-1) == 0).to(dtype)
+        keys = position_keys(trial, range(100, 100 + n))
+        want = (rows.to(torch.float64) / race_noise(keys, VOCAB)).argmax(-1)
+        assert torch.equal(sample_with_keys(rows, keys), want), trial
