@@ -678,7 +678,10 @@ def _rows(stop: StopRule | None, sampling: Sampling, probs, logits) -> tuple[lis
     if stop is None:
         return None, probs()
     out = logits()
-    return out, [sampling.probs(x) for x in out]
+    if len(out) < 2:
+        return out, [sampling.probs(x) for x in out]
+    # one warp for every sequence's rows: warping is row-wise, each row as it is alone
+    return out, list(sampling.probs(torch.cat(out)).split([x.shape[0] for x in out]))
 
 
 def _tree_verdicts(sampling: Sampling, trees: list, target_probs: list[torch.Tensor],
