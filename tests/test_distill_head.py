@@ -133,13 +133,12 @@ def test_a_head_continues_from_its_checkpoint(trained, tmp_path):
     assert main(args + ["--init", str(root / "head"), "--draft-vocab", "64"]) == 2  # the vocabulary goes with it
 
 
-def test_the_drafting_figures_are_the_head_workers_drafts_and_the_authoritys_greedy(trained):
-    """`_head_chains` drafts what HeadWorker drafts after the hand-off of the real features, and
-    `_authority_logits` (one masked pass for every chain) gives what plain passes over each
-    prefix give."""
-    from cascade.train.head import HeadObjective, _authority_logits, _head_chains, load_head_data
+def first_held_out(trained):
+    """The trained head, its authority and objective, and the first held-out conversation's
+    tokens and features."""
+    from cascade.train.head import HeadObjective, load_head_data
     from workers.draft_vocab import DraftVocab
-    from workers.head import FeatureHead, HeadWorker
+    from workers.head import FeatureHead
 
     root, authority, _ = trained
     model = load_authority(authority)
@@ -149,7 +148,18 @@ def test_the_drafting_figures_are_the_head_workers_drafts_and_the_authoritys_gre
                               torch.device("cpu"))
     held = load_head_data(root / "rec", root / "rec" / "features", held_out=True)
     start, length = next(held.conversations())
-    tokens, feats = held.tokens[start:start + length], held.features[start:start + length].float()
+    return model, head, vocab, objective, held.tokens[start:start + length], held.features[start:start + length].float()
+
+
+def test_the_drafting_figures_are_the_head_workers_drafts_and_the_authoritys_greedy(trained):
+    """`_head_chains` drafts what HeadWorker drafts after the hand-off of the real features, and
+    `_authority_logits` (one masked pass for every chain) gives what plain passes over each
+    prefix give."""
+    from cascade.train.head import _authority_logits, _head_chains
+    from workers.head import HeadWorker
+
+    model, head, vocab, objective, tokens, feats = first_held_out(trained)
+    length = tokens.numel()
     chosen = torch.tensor([0, 3, length // 2, length - 2])
     with torch.no_grad():
         drafts, drafted = _head_chains(head, objective, tokens, feats, chosen, depth=3)
@@ -173,19 +183,10 @@ def test_the_drafting_figures_are_the_head_workers_drafts_and_the_authoritys_gre
 def test_sampled_acceptance_estimates_the_overlap_of_draft_and_target(trained):
     """At T > 0 a drafted token counts min(1, target/draft): its mean over the head's own draws is
     the chance the engine's rule accepts, sum_x min(target(x), draft(x)) (checked at position 1)."""
-    from cascade.train.head import HeadObjective, _authority_logits, _head_chains, load_head_data
-    from workers.draft_vocab import DraftVocab
-    from workers.head import FeatureHead
+    from cascade.train.head import _authority_logits, _head_chains
 
-    root, authority, _ = trained
-    model = load_authority(authority)
-    head = FeatureHead.from_pretrained(root / "head")
-    vocab = DraftVocab.load(root / "head")
-    objective = HeadObjective(model.get_input_embeddings().weight, model.get_output_embeddings().weight, vocab.ids,
-                              torch.device("cpu"))
-    held = load_head_data(root / "rec", root / "rec" / "features", held_out=True)
-    start, length = next(held.conversations())
-    tokens, feats = held.tokens[start:start + length], held.features[start:start + length].float()
+    model, head, vocab, objective, tokens, feats = first_held_out(trained)
+    length = tokens.numel()
     chosen, t = torch.tensor([2, length // 2]), 0.8
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

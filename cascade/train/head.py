@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cascade.train.head_eagle3 import PassCache
+
 FEATURES = "features"  # the feature cache's folder inside the records folder (default)
 META = "features.json"
 
@@ -353,20 +355,6 @@ def evaluate_head(head, objective: HeadObjective, sampler: HeadSampler, max_wind
     return {**{k: v / max(1, n) for k, v in sums.items()}, "positions": n}
 
 
-class _Cache:
-    """The head layer's cache for one pass: the past keys/values, with the pass's appended; keeps
-    the pass's new ones."""
-
-    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
-        self.keys, self.values, self.new = keys, values, None
-
-    def update(self, keys, values, layer_idx=0, *args, **kwargs):
-        self.new = (keys, values)
-        if self.keys is None:
-            return keys, values
-        return torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2)
-
-
 def _model_mask(model, mask: torch.Tensor) -> torch.Tensor:
     """A 4D boolean mask in the form the model's attention takes (additive for eager)."""
     if getattr(model.config, "_attn_implementation", None) == "eager":
@@ -470,7 +458,7 @@ def _head_chains(head, objective: HeadObjective, tokens, feats, chosen, depth: i
     dev = tokens.device
     dtype = next(head.parameters()).dtype
     causal = torch.ones(length, length, dtype=torch.bool, device=dev).tril()[None, None]
-    cache = _Cache()
+    cache = PassCache()
     out = head(shifted(head.project(feats[None].to(dtype))), F.embedding(tokens, objective.embed)[None].to(dtype),
                torch.arange(length, device=dev)[None], causal, cache)[0]
     keys, values = cache.new
@@ -493,7 +481,7 @@ def _head_chains(head, objective: HeadObjective, tokens, feats, chosen, depth: i
         trunk = (columns[None] <= chosen[:, None])
         chain = torch.eye(k, dtype=torch.bool, device=dev).repeat(1, d)
         mask = torch.cat([trunk, chain], dim=1)[None, None]
-        cache = _Cache(keys, values)
+        cache = PassCache(keys, values)
         pred = head(pred[None], F.embedding(drafts[-1], objective.embed)[None].to(dtype),
                     (chosen + d)[None], mask, cache)[0]
         keys = torch.cat([keys, cache.new[0]], dim=2)
