@@ -1,9 +1,22 @@
-"""Helpers for the feature-head tests (test_head.py, test_head_distribution.py)."""
+"""Helpers for the feature-head tests (test_head.py, test_head_distribution.py, test_head_eagle3.py,
+test_distill_head.py)."""
 from __future__ import annotations
 
-import torch
+from collections import Counter
 
+import torch
+from transformers import AutoModelForCausalLM
+
+import workers.head
+from cascade import Cascade
+from stats_util import chi_square_pvalue, total_variation
 from workers.head import FeatureHead, random_head
+
+# The distribution tests' setup: a float64 authority over 8 tokens, the first two tokens drawn
+# after PROMPT, BATCH requests at a time.
+VOCAB = 8
+PROMPT = [1, 2, 3]
+BATCH = 256
 
 
 def copy_head(auth_dir, noise: float, seed: int = 0, feature_weight: float = 0.05) -> FeatureHead:
@@ -26,3 +39,55 @@ def copy_head(auth_dir, noise: float, seed: int = 0, feature_weight: float = 0.0
         head.fc.weight[:, :hidden] = torch.randn(hidden, hidden, dtype=torch.float64) * feature_weight / hidden ** 0.5
         head.fc.bias.zero_()
     return head
+
+
+def distill_args(root, out, work, *extra):
+    return ["distill", "--head", "--records", str(root / "rec"), "--draft-vocab", "64", "--out", str(out),
+            "--steps", "60", "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3", "--work-dir", str(work),
+            "--no-progress", "--threads", "1", "--amp", "none", "--teacher-dtype", "float32", "--save-dtype", "float32",
+            "--eval-drafts", "32",
+            *extra]
+
+
+def exact_pairs(model_dir) -> dict:
+    """The authority's distribution of the first two tokens (T = 1), by enumeration."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([PROMPT])).logits[0, -1], -1)
+        second = torch.softmax(model(torch.tensor([PROMPT + [a] for a in range(VOCAB)])).logits[:, -1], -1)
+    return {(a, b): float(first[a] * second[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
+
+
+def draw(topo: str, n: int, seed: int, edge: str = "head->auth", also: list | None = None):
+    """(counts of the first two tokens, proposed and accepted on ``edge``, second choices taken);
+    ``also`` gets the proposed count on ``ngram->auth``."""
+    with Cascade.from_topology(topo) as c:
+        results = c.generate([PROMPT] * n, max_new_tokens=4, temperature=1.0, seed=seed, batch_size=BATCH,
+                             coupling="residual")
+    counts = Counter(tuple(g.token_ids[:2]) for g in results)
+    if also is not None:
+        also.append(sum(g.stats.edges["ngram->auth"].proposed for g in results if "ngram->auth" in g.stats.edges))
+    edges = [g.stats.edges[edge] for g in results if edge in g.stats.edges]
+    proposed, accepted = sum(e.proposed for e in edges), sum(e.accepted for e in edges)
+    siblings = sum(sum(e.accepted_by_rank[1:]) for e in edges)  # a tree's second choices and below, taken
+    return counts, proposed, accepted, siblings
+
+
+def check(counts, expected, n, tv_bound):
+    stat, pvalue = chi_square_pvalue(counts, expected, n)
+    tv = total_variation(counts, expected, n)
+    assert pvalue > 1e-4, (stat, pvalue, tv)
+    assert tv < tv_bound, (stat, pvalue, tv)
+
+
+def misreport_head_probs(monkeypatch) -> None:
+    """The head samples as before but reports uniform ``draft_probs``."""
+    real = workers.head.HeadWorker.draft
+
+    def misreported(self, *args, **kwargs):
+        drafts = real(self, *args, **kwargs)
+        for d in drafts:
+            d.probs = torch.full_like(d.probs, 1.0 / d.probs.shape[-1])
+        return drafts
+
+    monkeypatch.setattr(workers.head.HeadWorker, "draft", misreported)

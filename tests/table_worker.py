@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from cascade.errors import WorkerError
 from workers.base import Worker
 
 
@@ -39,3 +40,16 @@ class TableWorker(Worker):
             last = [int(tokens[-1])] + [int(t) for t in nodes]
             out.append(self.table[torch.as_tensor(last, dtype=torch.long)])
         return out
+
+
+class FailingTableWorker(TableWorker):
+    """A table worker that goes down for good after ``fail_after`` score calls."""
+
+    def __init__(self, vocab_size: int = 6, seed: int = 0, scale: float = 2.0, fail_after: int = 10**9):
+        super().__init__(vocab_size, seed, scale)
+        self.fail_after = fail_after
+
+    def score(self, seq_ids, token_ids, num_positions):
+        if self.calls >= self.fail_after:
+            raise WorkerError("table worker is down")
+        return super().score(seq_ids, token_ids, num_positions)

@@ -16,7 +16,7 @@ from conftest import family_topology, make_llama, write_topology
 from head_util import copy_head
 from hf_util import TEXT, reference_greedy
 from policies.fixed import FixedPolicy
-from test_engine_faults import FailingTableWorker
+from table_worker import FailingTableWorker
 
 LOOKAHEAD = {"ngram": 3, "tiny": 3, "small": 5, "medium": 7}
 

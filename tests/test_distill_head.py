@@ -12,15 +12,8 @@ import torch
 
 from cascade.cli import main
 from conftest import TEXT, make_llama, write_topology
+from head_util import distill_args
 from hf_util import chat_tokenizer
-
-
-def distill_args(root, out, work, *extra):
-    return ["distill", "--head", "--records", str(root / "rec"), "--draft-vocab", "64", "--out", str(out),
-            "--steps", "60", "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3", "--work-dir", str(work),
-            "--no-progress", "--threads", "1", "--amp", "none", "--teacher-dtype", "float32", "--save-dtype", "float32",
-            "--eval-drafts", "32",
-            *extra]
 
 
 @pytest.fixture(scope="module")

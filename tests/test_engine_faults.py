@@ -11,20 +11,7 @@ from cascade.errors import WorkerError
 from cascade.sampling import Sampling
 from conftest import write_topology
 from policies.fixed import FixedPolicy
-from table_worker import TableWorker
-
-
-class FailingTableWorker(TableWorker):
-    """A table worker that goes down for good after ``fail_after`` score calls."""
-
-    def __init__(self, vocab_size: int = 6, seed: int = 0, scale: float = 2.0, fail_after: int = 10**9):
-        super().__init__(vocab_size, seed, scale)
-        self.fail_after = fail_after
-
-    def score(self, seq_ids, token_ids, num_positions):
-        if self.calls >= self.fail_after:
-            raise WorkerError("table worker is down")
-        return super().score(seq_ids, token_ids, num_positions)
+from table_worker import FailingTableWorker
 
 
 VOCAB = 12

@@ -12,23 +12,15 @@ so a batch gives the distribution of one request alone: tests/draws.py).
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-import workers.head
-from cascade import Cascade
 from conftest import make_llama, write_topology
-from head_util import copy_head
-from stats_util import chi_square_pvalue, total_variation
+from head_util import VOCAB, check, copy_head, draw, exact_pairs, misreport_head_probs
+from stats_util import chi_square_pvalue
 
 SPLIT_ACROSS_WORKERS = True  # long independent draws: one by one to a free worker (conftest.py)
 
-VOCAB = 8
-PROMPT = [1, 2, 3]
-BATCH = 256
 
 
 @pytest.fixture(scope="module")
@@ -59,37 +51,6 @@ def stand_in_topology(root) -> str:
     data = {"levels": levels, "edges": [["ngram", "auth"], ["head", "auth"]],
             "policy": {"name": "fixed", "params": params}}
     return str(write_topology(root / "stand-in.yaml", data))
-
-
-def exact_pairs(model_dir) -> dict:
-    """The authority's distribution of the first two tokens (T = 1), by enumeration."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
-    with torch.no_grad():
-        first = torch.softmax(model(torch.tensor([PROMPT])).logits[0, -1], -1)
-        second = torch.softmax(model(torch.tensor([PROMPT + [a] for a in range(VOCAB)])).logits[:, -1], -1)
-    return {(a, b): float(first[a] * second[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
-
-
-def draw(topo: str, n: int, seed: int, edge: str = "head->auth", also: list | None = None):
-    """(counts of the first two tokens, proposed and accepted on ``edge``, second choices taken);
-    ``also`` gets the proposed count on ``ngram->auth``."""
-    with Cascade.from_topology(topo) as c:
-        results = c.generate([PROMPT] * n, max_new_tokens=4, temperature=1.0, seed=seed, batch_size=BATCH,
-                             coupling="residual")
-    counts = Counter(tuple(g.token_ids[:2]) for g in results)
-    if also is not None:
-        also.append(sum(g.stats.edges["ngram->auth"].proposed for g in results if "ngram->auth" in g.stats.edges))
-    edges = [g.stats.edges[edge] for g in results if edge in g.stats.edges]
-    proposed, accepted = sum(e.proposed for e in edges), sum(e.accepted for e in edges)
-    siblings = sum(sum(e.accepted_by_rank[1:]) for e in edges)  # a tree's second choices and below, taken
-    return counts, proposed, accepted, siblings
-
-
-def check(counts, expected, n, tv_bound):
-    stat, pvalue = chi_square_pvalue(counts, expected, n)
-    tv = total_variation(counts, expected, n)
-    assert pvalue > 1e-4, (stat, pvalue, tv)
-    assert tv < tv_bound, (stat, pvalue, tv)
 
 
 def test_head_then_authority_is_exact(setup):
@@ -128,19 +89,6 @@ def test_a_heads_tree_without_the_residual_fails(setup, monkeypatch):
     counts, _, _, _ = draw(topology(setup, ["head", "auth"], tree=[3, 2, 1]), n, seed=5)
     _, pvalue = chi_square_pvalue(counts, exact_pairs(setup / "auth"), n)
     assert pvalue < 1e-9
-
-
-def misreport_head_probs(monkeypatch) -> None:
-    """The head samples as before but reports uniform ``draft_probs``."""
-    real = workers.head.HeadWorker.draft
-
-    def misreported(self, *args, **kwargs):
-        drafts = real(self, *args, **kwargs)
-        for d in drafts:
-            d.probs = torch.full_like(d.probs, 1.0 / d.probs.shape[-1])
-        return drafts
-
-    monkeypatch.setattr(workers.head.HeadWorker, "draft", misreported)
 
 
 def test_draft_probs_that_are_not_what_the_head_sampled_from_fail(setup, monkeypatch):

@@ -19,10 +19,8 @@ import torch
 from cascade import Cascade
 from cascade.cli import main
 from conftest import make_llama, write_topology
-from head_util import copy_head
+from head_util import VOCAB, check, copy_head, distill_args, draw, exact_pairs, misreport_head_probs
 from hf_util import chat_tokenizer, prompts_from_text, reference_greedy
-from test_distill_head import distill_args
-from test_head_distribution import VOCAB, check, draw, exact_pairs, misreport_head_probs
 from stats_util import chi_square_pvalue
 from workers.head import FeatureHead, HeadConfig, HeadWorker, hand_features, random_head
 from workers.hf import HFWorker
