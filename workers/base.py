@@ -39,6 +39,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def host_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Logits as the engine reads them: on the host, in float32 at least (verification and
+    sampling run there, and a half-precision row would round their sums)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return logits.cpu()
+
+
 @dataclass
 class Draft:
     """A block drafted by one level for one sequence."""

@@ -56,7 +56,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from workers.base import Worker, common_prefix, grow_children
+from workers.base import Worker, common_prefix, grow_children, host_logits
 from workers.draft_vocab import DraftVocab
 from workers.kernels.products import linear_product, own_product, packable
 
@@ -595,9 +595,7 @@ class HeadWorker(Worker):
             logits = self._trimmed_product(hidden)
         else:
             logits = self.lm_head(hidden)
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()
-        return logits.cpu()
+        return host_logits(logits)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """:meth:`_column_logits` at the authority's width: ``-inf`` outside a draft vocabulary."""

@@ -17,12 +17,13 @@ sequence took and drops the rest (:mod:`workers.trees`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from workers.base import DTYPES, Worker, common_prefix
+from workers.base import Worker, common_prefix, host_logits
 from workers.devices import resolve_device, resolve_dtype
 from workers.draft_vocab import DraftVocab
 from workers.features import FeatureStore, capture_layer_inputs, check_layers
@@ -42,7 +43,7 @@ class _SeqCache:
 class HFWorker(Worker):
     def __init__(
         self,
-        model: str,
+        model,  # a name or path (loaded here), or an already-loaded transformers model
         dtype: str = "float32",
         device: str = "auto",
         trust_remote_code: bool = False,
@@ -51,30 +52,27 @@ class HFWorker(Worker):
         packed_weights: bool = True,
         batch_invariant: bool | str = False,
         quantize: str | None = None,
+        *,
+        draft_vocab: DraftVocab | None = None,  # a loaded model's trimmed vocabulary (a name's is read beside it)
+        quantized=None,  # a loaded model's workers.quant.Quantizer
     ):
-        from transformers import AutoModelForCausalLM
+        self.device = resolve_device(str(device))
+        if isinstance(model, (str, os.PathLike)):
+            name = str(model)
+            model = _load(name, resolve_dtype(dtype, self.device), trust_remote_code, gguf_file).to(self.device)
+            if draft_vocab is None and not gguf_file:
+                draft_vocab = DraftVocab.load(name)
+            if quantize is not None:  # products from quantized weights (workers/quant.py)
+                from workers.quant import Quantizer
 
-        self.device = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, self.device)  # "fastest": bf16 where native
-        # A GGUF file is dequantized by transformers into a plain model of this dtype.
-        source = {"gguf_file": gguf_file} if gguf_file else {"use_safetensors": True}
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model,
-            dtype=torch_dtype,
-            trust_remote_code=trust_remote_code,
-            **source,
-        ).to(self.device)
-        self.model.eval()
-        quantized = None
-        if quantize is not None:  # products from quantized weights (workers/quant.py)
-            from workers.quant import Quantizer
+                quantized = Quantizer.build(model.eval(), quantize, name, gguf_file)
+        elif quantize is not None:
+            raise ValueError("quantize: needs the model's name or path (a loaded model takes `quantized`)")
+        self.model = model.to(self.device).eval()
+        self._setup(lean, draft_vocab, packed_weights, quantized, batch_invariant)
 
-            quantized = Quantizer.build(self.model, quantize, model, gguf_file)
-        self._invariant = batch_invariant  # resolved for the loaded model by _setup
-        self._setup(lean, DraftVocab.load(model) if not gguf_file else None, packed_weights, quantized)
-
-    def _setup(self, lean: bool, draft_vocab: DraftVocab | None = None, packed_weights: bool = True,
-               quantized=None) -> None:
+    def _setup(self, lean: bool, draft_vocab: DraftVocab | None, packed_weights: bool, quantized,
+               batch_invariant: bool | str) -> None:
         # A trimmed drafter (workers.draft_vocab) is fed draft ids and answers authority-width rows.
         self.draft_vocab = draft_vocab
         rows = int(self.model.get_output_embeddings().weight.shape[0])
@@ -91,7 +89,7 @@ class HFWorker(Worker):
         # (packed_weights: float32 products on a CPU from copies laid out for them, workers/lean.py)
         self._pack = None if packed_weights else False
         # a position's logits whatever the pass's width and rows (topology batch_invariant; workers/lean.py)
-        self._invariant = batch_invariant_setting(getattr(self, "_invariant", False), self.model)
+        self._invariant = batch_invariant_setting(batch_invariant, self.model)
         self._quantized = quantized
         self.lean = (lean_forward(self.model, pack=self._pack, quantized=quantized,
                                   batch_invariant=self._invariant) if lean else None)
@@ -110,13 +108,10 @@ class HFWorker(Worker):
     def from_model(cls, model, device: str | None = None, lean: bool = True,
                    draft_vocab: DraftVocab | None = None, packed_weights: bool = True,
                    quantized=None) -> "HFWorker":
-        """Wrap an already-loaded model (tests, notebooks); ``quantized``: a
-        :class:`workers.quant.Quantizer` of it."""
-        self = cls.__new__(cls)
-        self.device = resolve_device(device) if device else next(model.parameters()).device
-        self.model = model.to(self.device).eval()
-        self._setup(lean, draft_vocab, packed_weights, quantized)
-        return self
+        """Wrap an already-loaded model (tests, notebooks), on its own device unless ``device``
+        says otherwise; ``quantized``: a :class:`workers.quant.Quantizer` of it."""
+        return cls(model, device=device or next(model.parameters()).device, lean=lean,
+                   packed_weights=packed_weights, draft_vocab=draft_vocab, quantized=quantized)
 
     def keep_features(self, layers: Sequence[int] | None = None) -> None:
         """From now on keep the last hidden state (the LM head's input) at every position each pass
@@ -425,10 +420,7 @@ class HFWorker(Worker):
             entry.tokens.extend(fresh)
             if trees and trees[b][0]:
                 entry.tree = Pending(list(trees[b][0]), list(trees[b][1]))
-            logits = out.logits[b, len(new) - n:len(new)]
-            if logits.dtype in (torch.float16, torch.bfloat16):
-                logits = logits.float()
-            results.append(logits.cpu())
+            results.append(host_logits(out.logits[b, len(new) - n:len(new)]))
         return results
 
     def _score_one(self, seq_id: str, tokens: list[int], num_positions: int) -> torch.Tensor:
@@ -440,10 +432,7 @@ class HFWorker(Worker):
         if self._features is not None:
             self._record(seq_id, entry.tokens, fresh, 0, 0)
         entry.tokens.extend(fresh)
-        # Verification runs on the host in at least float32.
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()
-        return logits.cpu()
+        return host_logits(logits)
 
     def _score_tree_one(self, seq_id: str, tokens: list[int], tree) -> torch.Tensor:
         """One sequence's tree on its own cache: the uncached tail, then the nodes."""
@@ -458,9 +447,7 @@ class HFWorker(Worker):
             self._record(seq_id, entry.tokens, fresh, 0, 0, (list(nodes), list(parents)))
         entry.tokens.extend(fresh)
         entry.tree = Pending(list(nodes), list(parents))
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()
-        return logits.cpu()
+        return host_logits(logits)
 
     def release(self, seq_ids: Sequence[str]) -> None:
         for s in seq_ids:
@@ -479,6 +466,14 @@ class HFWorker(Worker):
         if self._features is not None:
             self._features.clear()
         self.model = None
+
+
+def _load(name: str, dtype, trust_remote_code: bool, gguf_file: str | None):
+    from transformers import AutoModelForCausalLM
+
+    # A GGUF file is dequantized by transformers into a plain model of this dtype.
+    source = {"gguf_file": gguf_file} if gguf_file else {"use_safetensors": True}
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code, **source)
 
 
 def _cache_from(data, config):

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from workers.base import common_prefix
+from workers.base import common_prefix, host_logits
 from workers.trees import Pending, accepted_path, depths, window_mask
 
 # A worker's forward pass: (input_ids, position_ids, cache layers, valid [rows, columns], keep
@@ -166,28 +166,29 @@ class Pool:
         # what the pool needs of its worker: the model (its cache layout), where it runs, how many
         # positions it takes, and its forward pass over the pool's cache layers
         self.model, self.device, self.context_length, self.forward = model, device, context_length, forward
+        # where a feature head reads this worker: its FeatureStore (workers/features.py), which
+        # each pass's rows are recorded into; None otherwise
+        self.features = None
+        self._clear()
+
+    def _clear(self) -> None:
+        """No rows and no buffers (freed)."""
         self.kbufs: list[torch.Tensor] | None = None  # per layer [rows, heads, capacity, head_dim]
         self.vbufs: list[torch.Tensor] | None = None
         self.layers: list | None = None  # cache layers over the buffers, reused while they last
-        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=device)  # [rows, capacity]
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [rows, capacity]
         self.used = 0
         self.rows: list[str | None] = []  # seq_id per row; None: free
         self.row_of: dict[str, int] = {}
         self.tokens: list[list[int]] = []
         self.cols: list[list[int]] = []
         self.trees: dict[int, Pending] = {}  # row -> its scored tree, until its next call settles it
-        # where a feature head reads this worker: its FeatureStore (workers/features.py), which
-        # each pass's rows are recorded into; None otherwise
-        self.features = getattr(self, "features", None)
 
     # -- shape management ---------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
         return self.valid.shape[1]
-
-    def _reset(self) -> None:
-        self.__init__(self.model, self.device, self.context_length, self.forward)
 
     def _add_rows(self, count: int) -> None:
         dev = self.device
@@ -291,7 +292,7 @@ class Pool:
             self.trees.pop(r, None)
             self.valid[r] = False
         if not self.row_of:
-            self._reset()  # nothing left: free the buffers
+            self._clear()  # nothing left: free the buffers
 
     # -- one forward pass ---------------------------------------------------------------------
 
@@ -522,9 +523,7 @@ class Pool:
             logits_all = self.forward(input_ids.to(dev), positions.to(dev), layers, mask, keep, among)
         self._keep_new_columns(layers, index, new_valid, width)
         self.used = used + width
-        if logits_all.dtype in (torch.float16, torch.bfloat16):
-            logits_all = logits_all.float()
-        logits_all = logits_all.cpu()
+        logits_all = host_logits(logits_all)
         results = []
         for i, (r, new, n) in enumerate(zip(rows, news, num_positions)):
             end = used + width
