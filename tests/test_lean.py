@@ -52,11 +52,14 @@ def solo(model, tokens, n):
         return model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, -n:]
 
 
+@pytest.mark.parametrize("pack", [0.0, 1.0], ids=["padded", "packed"])
 @pytest.mark.parametrize("fold_one", [False, True], ids=["grouped-one", "folded-one"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_lean_worker_equals_transformers_through_rollbacks_joins_and_solo_calls(variant, fold_one, monkeypatch):
+def test_lean_worker_equals_transformers_through_rollbacks_joins_and_solo_calls(variant, fold_one, pack, monkeypatch):
     # one-position passes fold grouped-query attention in bfloat16 on a CPU: here in float64 both ways
     monkeypatch.setattr("workers.lean.fold_one_position", lambda dtype, device: fold_one)
+    # packed: every pass with a pad runs its products over its real positions only (packed_positions)
+    monkeypatch.setattr("workers.lean.PACK_BELOW", pack)
     model = make(**VARIANTS[variant])
     assert type(model).__name__.lower().startswith(VARIANTS[variant].get("arch", "llama"))
     worker = HFWorker.from_model(model)
@@ -121,9 +124,24 @@ def test_a_bfloat16_pass_over_one_position_folds_grouped_query_attention(monkeyp
                                    atol=0.05 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_lean_and_transformers_forward_agree_on_the_bundled_family(family):
-    """float32, as served: the two forwards give the same logits, bit for bit, on the bundled family."""
+def test_packed_positions_are_a_pass_s_real_new_positions_where_pads_are_many():
+    from workers.lean import packed_positions
+
+    valid = torch.tensor([[True, False, False, True],  # cached column, then 3 new: 2 pads, 1 real
+                          [True, True, True, True]])  # 3 real new
+    assert packed_positions(valid, 2, 3).tolist() == [2, 3, 4, 5]  # 4 real of 6
+    assert packed_positions(valid[1:], 1, 3) is None  # no pad
+    assert packed_positions(None, 2, 3) is None  # no mask: every position real
+    assert packed_positions(torch.tensor([[True, False, True, True, True]]), 1, 4) is None  # 3 of 4: not worth it
+
+
+def test_lean_and_transformers_forward_agree_on_the_bundled_family(family, monkeypatch):
+    """float32, as served: the two forwards give the same logits, bit for bit, on the bundled family
+    (passes padded as transformers' are: a packed pass's products have other row counts, and
+    float32's rounding can differ in the last bit; packing's agreement is tested above, in float64)."""
     from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr("workers.lean.PACK_BELOW", 0.0)
 
     rng = random.Random(1)
     for level in ("tiny", "large"):

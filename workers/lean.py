@@ -69,6 +69,10 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     ``capture_layers``, with the inputs of those decoder layers side by side instead
     ``[rows, width, len(capture_layers) * hidden]`` (a head that fuses layers, EAGLE-3).
 
+    A pass whose new positions are mostly pads (rows drafting blocks of different lengths, idle
+    rows of a pool) runs its products and its LM head over the real positions only
+    (:func:`packed_positions`); attention stays over the padded window.
+
     ``pack``: score passes of several rows with oneDNN over prepacked copies of the large
     weights (:func:`_linear_op`); None: where that is float32 on a CPU with oneDNN.
 
@@ -137,6 +141,13 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         hidden = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        # The products run over the real positions only where pads are many (rows drafting
+        # blocks of different lengths, idle rows of a pool): a pass then costs what its real
+        # positions cost, as the policies price it, not its widest row times the rows.
+        real = packed_positions(valid, rows, width)
+        spread = (lambda t: t) if real is None else (lambda t: _spread(t, real, rows, width))
+        if real is not None:
+            hidden = hidden.reshape(rows * width, -1).index_select(0, real)
         mask = attention_mask(valid, width, layers[0].get_seq_length() + width, hidden.device, among)
         fold = groups > 1 and (1 < width <= FOLD_MOST_POSITIONS or (width == 1 and fold_one) or batch_invariant)
         if batch_invariant:  # each row's columns in its own order from column 0 (invariant_columns)
@@ -150,14 +161,14 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         for index, ((norm1, wq, wk, wv, wo, norm2, gate, up, down, act, head_norms), cache) in enumerate(
                 zip(weights, layers)):
             if capture_layers and index in capture_layers:
-                taken[index] = hidden
+                taken[index] = spread(hidden)
             x = _rms(hidden, *norm1)
-            q = wq(x).view(rows, width, -1, head_dim)
-            k = wk(x).view(rows, width, -1, head_dim)
+            q = spread(wq(x)).view(rows, width, -1, head_dim)
+            k = spread(wk(x)).view(rows, width, -1, head_dim)
             if head_norms is not None:  # Qwen3: each head's query and key normalised
                 q, k = _rms(q, *head_norms[0]), _rms(k, *head_norms[1])
             q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = wv(x).view(rows, width, -1, head_dim).transpose(1, 2)
+            v = spread(wv(x)).view(rows, width, -1, head_dim).transpose(1, 2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             keys, values = cache.update(k, v)
@@ -177,19 +188,59 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
                 if groups > 1 and not gqa:
                     keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, **gqa)
-            hidden = hidden + wo(out.transpose(1, 2).reshape(rows, width, -1))
+            out = out.transpose(1, 2).reshape(rows, width, -1)
+            hidden = hidden + wo(out if real is None else out.reshape(rows * width, -1).index_select(0, real))
             x = _rms(hidden, *norm2)
             hidden = hidden + down(act(gate(x)) * up(x))
+        hidden = spread(hidden)
         if capture is not None and capture_layers:
             capture(torch.cat([taken[k] for k in capture_layers], dim=-1))
         elif capture is not None:  # every position's features, for a feature head
             hidden = _rms(hidden, *final_norm)
             capture(hidden)
-            return lm_head(hidden[:, width - keep:].contiguous())
-        hidden = _rms(hidden[:, width - keep:], *final_norm)
-        return lm_head(hidden)
+            return _logits(lm_head, hidden[:, width - keep:], valid, real)
+        return _logits(lm_head, _rms(hidden[:, width - keep:], *final_norm), valid, real)
 
     return forward
+
+
+# A pass whose real positions are fewer than this share of rows x width runs its products over
+# the real ones only (packed_positions).
+PACK_BELOW = 0.75
+
+
+def packed_positions(valid, rows: int, width: int) -> torch.Tensor | None:
+    """The flat indices (into ``rows x width``) of a pass's real new positions — those ``valid``
+    marks in its last ``width`` columns — where they are fewer than ``PACK_BELOW`` of them;
+    else None (every position computed, pads included)."""
+    if valid is None or rows * width < 2:
+        return None
+    real = valid[:, -width:].reshape(-1)
+    count = int(real.sum())
+    if count >= PACK_BELOW * rows * width or count == 0:
+        return None
+    return real.nonzero().squeeze(1)
+
+
+def _spread(packed: torch.Tensor, real: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``[n, features]`` over the real positions -> ``[rows, width, features]``, zeros at pads."""
+    full = packed.new_zeros(rows * width, packed.shape[-1])
+    full.index_copy_(0, real, packed)
+    return full.view(rows, width, -1)
+
+
+def _logits(lm_head, hidden: torch.Tensor, valid, real) -> torch.Tensor:
+    """The logits ``[rows, keep, vocab]`` of the final hidden states ``[rows, keep, hidden]``; in
+    a packed pass (``real``) computed for its real positions only, zeros at pads (nothing reads
+    a pad's logits)."""
+    if real is None:
+        return lm_head(hidden.contiguous())
+    rows, keep = hidden.shape[:2]
+    tail = valid[:, -keep:].reshape(-1).nonzero().squeeze(1)
+    picked = lm_head(hidden.reshape(rows * keep, -1).index_select(0, tail))
+    out = picked.new_zeros(rows * keep, picked.shape[-1])
+    out.index_copy_(0, tail, picked)
+    return out.view(rows, keep, -1)
 
 
 # Batch-invariant attention scores keys in blocks of this many columns, counted from column 0.
