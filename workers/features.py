@@ -14,7 +14,7 @@ tokens ``0..i``, which predicts token ``i + 1``). Every pass records what it fed
 the cache held (:meth:`FeatureStore.record`): the store first drops whatever does not continue
 that prefix, as the cache did, so a rejected block leaves no feature behind. A scored tree's
 nodes wait as pending, as in the cache, until the sequence's next call settles them: the
-accepted path's rows stay, the other nodes' go (:func:`workers.trees.accepted_path`).
+accepted path's rows stay, the other nodes' go (:func:`workers.kvcache.settled_path`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from workers.base import common_prefix
-from workers.trees import accepted_path
+from workers.kvcache import settled_path
 
 
 @dataclass
@@ -149,11 +149,7 @@ class FeatureStore:
 
     def _settle(self, held: _Held, sequence: list[int]) -> None:
         """Keep the pending tree's root-to-node path that ``sequence`` continues with; drop the rest."""
-        tokens, parents, rows = held.tree
-        held.tree = None
-        base = len(held.tokens)
-        if sequence[:base] != held.tokens:
-            return
-        path = accepted_path(tokens, parents, sequence, base)
+        (tokens, parents, rows), held.tree = held.tree, None
+        path = settled_path(tokens, parents, held.tokens, sequence)
         if path:
             self._append(held, [tokens[i] for i in path], rows[path])

@@ -59,6 +59,7 @@ from torch import nn
 from workers.base import Worker, common_prefix, grow_children, host_logits
 from workers.draft_vocab import DraftVocab
 from workers.kernels.products import linear_product, own_product, packable
+from workers.trees import ancestry
 
 CONFIG = "head_config.json"
 WEIGHTS = "model.safetensors"
@@ -268,14 +269,13 @@ class _HeadSeq:
 
 @dataclass
 class _TreeGrowth:
-    """One sequence's tree while :meth:`HeadWorker.draft_tree` grows it: the nodes fed so far
-    (their predicted features and keys/values, in feeding order; ``slot[node]`` indexes them)."""
+    """One sequence's tree while :meth:`HeadWorker.draft_tree` grows it: the nodes fed so far, their
+    predicted features and keys/values (entry ``i``: node ``i``, as nodes are fed in node order)."""
 
     state: _HeadSeq
     tree: tuple[list[int], list[int]]
     widths: list[int]
     frontier: list[int] = field(default_factory=list)
-    slot: dict[int, int] = field(default_factory=dict)
     out: list[torch.Tensor] = field(default_factory=list)
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
@@ -490,6 +490,8 @@ class HeadWorker(Worker):
         values = torch.zeros_like(keys)
         for r, g in enumerate(growing):
             c, tokens, parents = len(g.state.tokens), *g.tree
+            fed = len(g.out)
+            seen = ancestry(parents)[:, :fed]  # a node's ancestors among the nodes fed so far
             keys[r, :, past - c:past] = g.state.keys
             values[r, :, past - c:past] = g.state.values
             if g.out:
@@ -497,20 +499,17 @@ class HeadWorker(Worker):
                 values[r, :, past:past + len(g.out)] = torch.cat(g.values, dim=1)
             for j, node in enumerate(g.frontier):
                 parent = parents[node]
-                feats[r, j] = g.state.out[-1] if parent < 0 else g.out[g.slot[parent]]
+                feats[r, j] = g.state.out[-1] if parent < 0 else g.out[parent]
                 ids[r, j] = tokens[node]
                 positions[r, j] = c + depth - 1  # the root's children (depth 1) sit at position c
                 mask[r, 0, j, past - c:past] = True
-                while parent >= 0:  # its ancestors among the nodes fed so far
-                    mask[r, 0, j, past + g.slot[parent]] = True
-                    parent = parents[parent]
+                mask[r, 0, j, past:past + fed] = seen[node]
         cache = _PassCache(keys, values)
         out = self.head(feats, self.embed(ids), positions, mask, cache)
         new_keys, new_values = cache.new
         rows = []
         for r, g in enumerate(growing):
             for j, node in enumerate(g.frontier):
-                g.slot[node] = len(g.out)
                 g.out.append(out[r, j])
                 g.keys.append(new_keys[r, :, j:j + 1])
                 g.values.append(new_values[r, :, j:j + 1])

@@ -1,5 +1,5 @@
 """The KV-cache pool of :class:`~workers.hf.HFWorker`: the sequences a worker scores, as rows
-of one persistent batched cache.
+of one persistent batched cache (a :class:`~workers.kvcache.KVCache`).
 
 What it holds: per layer, preallocated key/value buffers ``[rows, heads, capacity, head_dim]``
 that a forward pass writes into in place (no per-step copy of the cache); a ``[rows, columns]``
@@ -14,7 +14,7 @@ columns gathered, left-padded) when they make up a quarter of the columns. A seq
 a running batch is prefilled by itself into columns its row does not use (no holes for the
 others); rows left free while the batch drains are dropped.
 
-A tree of candidates (:meth:`Pool.score_tree`) is fed like new tokens, after the row's tail,
+A tree of candidates (:meth:`Pool.score` with trees) is fed like new tokens, after the row's tail,
 with its nodes' own positions and a tree mask over the new columns; its node columns stay
 valid, pending, until the row's next call settles it: the accepted path's keys/values move to
 the columns right after the tail, the other nodes' columns turn invalid, and ``used`` shrinks
@@ -23,137 +23,16 @@ smaller than another's leaves some, compacted like any others.)
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from workers.base import common_prefix, host_logits
-from workers.trees import Pending, accepted_path, depths, window_mask
-
-# A worker's forward pass: (input_ids, position_ids, cache layers, valid [rows, columns], keep
-# [, among [rows, width, width]: a tree's mask over the new columns]) -> logits [rows, keep, vocab]
-# of the last ``keep`` positions (HFWorker._logits).
-Forward = Callable[[torch.Tensor, torch.Tensor, list, torch.Tensor, int], torch.Tensor]
+from workers.kvcache import Forward, KVCache, Trees, buffer_layer, move_columns, num_layers, settled_path
+from workers.trees import Pending, depths, window_mask
 
 
-def poolable(model) -> bool:
-    """The pool replaces plain full-attention dynamic cache layers; anything else (sliding
-    windows, linear attention, encoder-decoder caches) keeps one DynamicCache per sequence."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    try:
-        cache = DynamicCache(config=model.config)
-    except Exception:  # noqa: BLE001 - an exotic config: stay on the generic path
-        return False
-    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
-
-
-def num_layers(model) -> int:
-    from transformers import DynamicCache
-
-    return len(DynamicCache(config=model.config).layers)
-
-
-def buffer_layer(kbuf, vbuf, length: int):
-    """A cache layer over preallocated buffers ``[rows, heads, capacity, head_dim]`` whose first
-    ``length`` columns are in use: an update writes the new columns in place and returns views
-    (transformers' DynamicLayer concatenates, copying the whole cache every step)."""
-    return _buffer_layer_class()(kbuf, vbuf, length)
-
-
-@functools.cache
-def _buffer_layer_class():
-    # built on first use: importing transformers is left to the workers that need it
-    from transformers.cache_utils import DynamicLayer
-
-    class BufferLayer(DynamicLayer):
-        def __init__(self, kbuf, vbuf, length):
-            super().__init__()
-            self.compact_views = False
-            self.kbuf, self.vbuf, self.length = kbuf, vbuf, length
-            self.capacity = 0 if kbuf is None else kbuf.shape[2]
-            self.is_initialized = kbuf is not None
-            if kbuf is not None:
-                self.device = kbuf.device
-                self.keys, self.values = kbuf[:, :, :length], vbuf[:, :, :length]
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            end = self.length + key_states.shape[-2]
-            if self.kbuf is None:  # the first pass of an empty pool: allocate
-                shape = (*key_states.shape[:2], max(self.capacity, end), key_states.shape[-1])
-                # zeroed: a masked column still enters attention as 0 x value, so garbage (NaN) must not
-                self.kbuf = key_states.new_zeros(shape)
-                self.vbuf = value_states.new_zeros(shape[:3] + (value_states.shape[-1],))
-                self.device = key_states.device
-                self.is_initialized = True
-            width = end - self.length
-            self.kbuf.narrow(2, self.length, width).copy_(key_states)
-            self.vbuf.narrow(2, self.length, width).copy_(value_states)
-            self.length = end
-            self.keys, self.values = self.kbuf.narrow(2, 0, end), self.vbuf.narrow(2, 0, end)
-            if self.compact_views:  # attention reads a small contiguous copy faster than a strided view
-                return self.keys.contiguous(), self.values.contiguous()
-            return self.keys, self.values
-
-        def get_seq_length(self) -> int:
-            return self.length
-
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return self.length + query_length, 0
-
-        def crop(self, tokens_to_remove: int) -> None:
-            raise NotImplementedError("the pool rolls rows back with its validity mask")
-
-    return BufferLayer
-
-
-def growing_cache(model):
-    """A solo sequence's cache (:class:`~workers.hf.HFWorker`): one layer per decoder layer over
-    buffers written in place, grown by doubling and cropped by moving its length back — where
-    transformers' DynamicLayer concatenates, copying the whole cache on every pass (what that
-    costs: docs/engine.md, "Batches underneath"). The same
-    keys and values, in the same order: attention reads views of them."""
-    from transformers.cache_utils import Cache
-
-    return Cache(layers=[_growing_layer_class()() for _ in range(num_layers(model))])
-
-
-@functools.cache
-def _growing_layer_class():
-    class GrowingLayer(_buffer_layer_class()):
-        def __init__(self):
-            super().__init__(None, None, 0)
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            end = self.length + key_states.shape[-2]
-            if end > self.capacity:
-                self._grow(key_states, value_states, max(end, 2 * self.capacity, 64))
-            return super().update(key_states, value_states)
-
-        def _grow(self, key_states, value_states, capacity: int) -> None:
-            kbuf = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[-1]))
-            vbuf = value_states.new_empty((*value_states.shape[:2], capacity, value_states.shape[-1]))
-            if self.kbuf is not None:
-                kbuf.narrow(2, 0, self.length).copy_(self.kbuf.narrow(2, 0, self.length))
-                vbuf.narrow(2, 0, self.length).copy_(self.vbuf.narrow(2, 0, self.length))
-            self.kbuf, self.vbuf, self.capacity = kbuf, vbuf, capacity
-            self.device, self.is_initialized = kbuf.device, True
-
-        def crop(self, tokens_to_remove: int) -> None:
-            """Drop the last ``-tokens_to_remove`` columns (transformers' convention: negative)."""
-            if tokens_to_remove > 0:
-                raise ValueError(f"crop takes a negative count of tokens to remove, not {tokens_to_remove}")
-            if tokens_to_remove == 0 or self.kbuf is None:
-                return
-            self.length = max(0, self.length + tokens_to_remove)
-            self.keys, self.values = self.kbuf.narrow(2, 0, self.length), self.vbuf.narrow(2, 0, self.length)
-
-    return GrowingLayer
-
-
-class Pool:
+class Pool(KVCache):
     """The worker's sequences as rows of one batched KV cache (see the module docstring).
 
     Per row: the tokens whose keys/values it holds (``tokens``) and the cache columns holding
@@ -166,9 +45,6 @@ class Pool:
         # what the pool needs of its worker: the model (its cache layout), where it runs, how many
         # positions it takes, and its forward pass over the pool's cache layers
         self.model, self.device, self.context_length, self.forward = model, device, context_length, forward
-        # where a feature head reads this worker: its FeatureStore (workers/features.py), which
-        # each pass's rows are recorded into; None otherwise
-        self.features = None
         self._clear()
 
     def _clear(self) -> None:
@@ -270,10 +146,7 @@ class Pool:
 
     def _make_room(self, width: int) -> None:
         """Room for ``width`` more columns: compact if most columns are holes, else grow."""
-        if self.trees:
-            longest = max((len(self._held(r)) for r in range(len(self.rows))), default=0)
-        else:
-            longest = max((len(c) for c in self.cols), default=0)
+        longest = max((len(self._held(r)) for r in range(len(self.rows))), default=0)
         holes = self.used - longest
         if holes > 16 and 4 * holes > self.used:
             self._rebuild(list(range(len(self.rows))), max(self.capacity, longest + width))
@@ -296,26 +169,35 @@ class Pool:
 
     # -- one forward pass ---------------------------------------------------------------------
 
-    def score(self, seq_ids, token_ids, num_positions) -> list[torch.Tensor]:
-        """:meth:`Worker.score <workers.base.Worker.score>` for sequences of the pool (those new
-        to it join): reconcile each row with its tokens, then one forward pass over all rows."""
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("score: a sequence appears twice in one call")
-        rows = self._seat(seq_ids)
-        news = self._reconcile(rows, token_ids, num_positions)
+    def score(self, seq_ids, token_ids, num_positions, trees: Trees = None) -> list[torch.Tensor]:
+        """:meth:`KVCache.score <workers.kvcache.KVCache.score>` for sequences of the pool (those
+        new to it join): reconcile each row with its tokens, then one forward pass over all rows,
+        feeding each its tail (and its tree's nodes)."""
+        rows, news = self._begin("score", seq_ids, token_ids, num_positions)
         self._feed_long_rows_first(rows, news, num_positions)
-        return self._forward(rows, news, num_positions)
+        if trees is None:
+            return self._forward(rows, news, num_positions)
+        return self._forward(rows, [new + list(tree[0]) for new, tree in zip(news, trees)],
+                             [len(tree[0]) + 1 for tree in trees], trees=trees)
 
     def prefill(self, seq_ids, token_ids) -> None:
         """:meth:`Worker.prefill <workers.base.Worker.prefill>` for sequences of the pool (those
         new to it join): each row's uncached tokens in a pass of these rows alone, logits dropped.
         A chunk of a long prompt fed in a pass of every row would widen the others' pass to its
-        length; a row that holds nothing yet fills columns it does not use (no holes for the
-        others), as a sequence joining a running batch does."""
+        length."""
+        self._feed_apart(*self._begin("prefill", seq_ids, token_ids, [1] * len(seq_ids)))
+
+    def _begin(self, call: str, seq_ids, token_ids, num_positions) -> tuple[list[int], list[list[int]]]:
+        """Each sequence's row, reconciled (:meth:`_reconcile`), and the tokens it still has to feed."""
         if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("prefill: a sequence appears twice in one call")
+            raise ValueError(f"{call}: a sequence appears twice in one call")
         rows = self._seat(seq_ids)
-        news = self._reconcile(rows, token_ids, [1] * len(rows))
+        return rows, self._reconcile(rows, token_ids, num_positions)
+
+    def _feed_apart(self, rows: list[int], news: list[list[int]]) -> None:
+        """Feed these rows their ``news`` in passes of their own, logits dropped; a row that holds
+        nothing yet fills columns it does not use (no holes for the others), as a sequence
+        joining a running batch does."""
         fresh = [i for i, r in enumerate(rows) if not self.cols[r] and self.kbufs is not None
                  and len(news[i]) <= self.used]
         if fresh:
@@ -323,19 +205,6 @@ class Pool:
         others = [i for i in range(len(rows)) if i not in fresh]
         if others:
             self._forward([rows[i] for i in others], [news[i] for i in others], [1] * len(others), subset=True)
-
-    def score_tree(self, seq_ids, token_ids, trees) -> list[torch.Tensor]:
-        """:meth:`Worker.score_tree <workers.base.Worker.score_tree>` for sequences of the pool:
-        reconcile each row with its committed tokens (its last one uncached: the root's row),
-        then one forward pass feeding each row its tail and its tree's nodes."""
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("score_tree: a sequence appears twice in one call")
-        rows = self._seat(seq_ids)
-        ones = [1] * len(rows)
-        news = self._reconcile(rows, token_ids, ones)
-        self._feed_long_rows_first(rows, news, ones)
-        return self._forward(rows, [new + list(tree[0]) for new, tree in zip(news, trees)],
-                             [len(tree[0]) + 1 for tree in trees], trees=trees)
 
     def _seat(self, seq_ids) -> list[int]:
         """Each sequence's row; joining ones take free rows first, then new ones."""
@@ -382,18 +251,16 @@ class Pool:
         return news
 
     def _settle(self, rows: list[int], token_ids) -> None:
-        """Resolve the pending trees of these rows against the tokens they are handed now: each
-        keeps the root-to-node path its sequence took, moved to the columns right after its
-        tail (where a chain would be), and drops its other nodes; then ``used`` shrinks to the
-        last column any row still holds."""
+        """Resolve the pending trees of these rows against the tokens they are handed now
+        (:func:`~workers.kvcache.settled_path`): each keeps the path its sequence took, moved to
+        the columns right after its tail, and drops its other nodes; then ``used`` shrinks to
+        the last column any row still holds."""
         move_rows, move_from, move_to, drop_rows, drop_cols = [], [], [], [], []
         for r, toks in zip(rows, token_ids):
             tree = self.trees.pop(r, None)
             if tree is None:
                 continue
-            toks, have = list(toks), self.tokens[r]
-            base = len(have)
-            path = accepted_path(tree.tokens, tree.parents, toks, base) if toks[:base] == have else []
+            path = settled_path(tree.tokens, tree.parents, self.tokens[r], list(toks))
             for j, i in enumerate(path):
                 if i != j:
                     move_rows.append(r)
@@ -403,14 +270,11 @@ class Pool:
             drop_rows.extend([r] * len(gone))
             drop_cols.extend(gone)
             self.cols[r].extend(range(tree.start, tree.start + len(path)))
-            have.extend(tree.tokens[i] for i in path)
-        dev = self.device
+            self.tokens[r].extend(tree.tokens[i] for i in path)
         if move_rows:
-            rr = torch.tensor(move_rows, device=dev)
-            src, dst = torch.tensor(move_from, device=dev), torch.tensor(move_to, device=dev)
-            for buf in self.kbufs + self.vbufs:
-                buf[rr, :, dst] = buf[rr, :, src]
+            move_columns(self.kbufs + self.vbufs, move_rows, move_from, move_to)
         if drop_rows:
+            dev = self.device
             self.valid[torch.tensor(drop_rows, device=dev), torch.tensor(drop_cols, device=dev)] = False
         end = max((c[-1] + 1 for c in self.cols if c), default=0)
         end = max([end] + [t.start + len(t.tokens) for t in self.trees.values()])
@@ -429,14 +293,7 @@ class Pool:
         if not long or 2 * len(long) > len(rows):
             return
         tails = [max(typical, num_positions[i]) for i in long]
-        heads = {i: news[i][:-t] for i, t in zip(long, tails)}
-        # A newcomer (nothing cached) fits in columns its row does not use: no new columns
-        fresh = [i for i in long if not self.cols[rows[i]] and len(heads[i]) <= self.used]
-        if fresh:
-            self._prefill_fresh([rows[i] for i in fresh], [heads[i] for i in fresh])
-        others = [i for i in long if i not in fresh]
-        if others:
-            self._forward([rows[i] for i in others], [heads[i] for i in others], [1] * len(others), subset=True)
+        self._feed_apart([rows[i] for i in long], [news[i][:-t] for i, t in zip(long, tails)])
         for i, t in zip(long, tails):
             news[i] = news[i][-t:]
 
@@ -517,13 +374,9 @@ class Pool:
         compact = len(batch_rows) * (used + width) <= 4096
         for layer in layers:
             layer.compact_views = compact
-        if among is None:
-            logits_all = self.forward(input_ids.to(dev), positions.to(dev), layers, mask, keep)
-        else:
-            logits_all = self.forward(input_ids.to(dev), positions.to(dev), layers, mask, keep, among)
+        logits_all = host_logits(self.forward(input_ids.to(dev), positions.to(dev), layers, mask, keep, among))
         self._keep_new_columns(layers, index, new_valid, width)
         self.used = used + width
-        logits_all = host_logits(logits_all)
         results = []
         for i, (r, new, n) in enumerate(zip(rows, news, num_positions)):
             end = used + width
