@@ -293,3 +293,55 @@ def test_the_training_time_test_lowers_the_third_drafts_loss_and_resumes(recorde
     assert main(args) == 0
     resumed, whole = load_file(root / "resumed" / "model.safetensors"), load_file(root / "fused-ttt" / "model.safetensors")
     assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+def test_a_plain_head_continued_fused_starts_where_it_was(models):
+    """``fused_from``: where the last hidden state is a linear map of the fused inputs, the fitted
+    fuse map recovers it and the continued head predicts what the plain head did; a head that
+    already fuses, or data without fused inputs, is refused."""
+    from cascade.train.head import HeadData
+    from cascade.train.head_eagle3 import fit_fuse, fused_from
+
+    plain = random_head(models / "auth", seed=5).double()
+    torch.manual_seed(0)
+    fused_in = torch.randn(600, 64, dtype=torch.float64)
+    features = fused_in @ torch.randn(64, 32, dtype=torch.float64) / 8
+    weight, stats = fit_fuse(fused_in, features, ridge=1e-12)
+    assert stats["rel_err_held"] < 1e-6 and stats["r2_fit"] > 1 - 1e-9
+    torch.testing.assert_close(fused_in @ weight.double().T, features, atol=1e-4, rtol=1e-4)
+    data = HeadData(torch.zeros(600, dtype=torch.long), features, torch.arange(600), torch.zeros(600, dtype=torch.long),
+                    [600], fused_in)
+    head, stats = fused_from(plain, LAYERS, data)
+    assert head.config.fuse_layers == LAYERS and stats["r2_held"] > 0.999
+    embeds = torch.randn(1, 10, 32, dtype=torch.float64)
+    with torch.no_grad():
+        want = plain(plain.project(features[None, :10]), embeds)
+        got = head(head.project(fused_in[None, :10]), embeds)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    with pytest.raises(ValueError, match="already fuses"):
+        fused_from(head, LAYERS, data)
+    with pytest.raises(ValueError, match="no fused inputs"):
+        fused_from(plain, LAYERS, HeadData(data.tokens, features, data.position, data.conv, [600]))
+
+
+def test_distill_continues_a_plain_head_with_fused_features(recorded):
+    """``--init PLAIN --fuse-layers``: the plain head's weights, a fitted fuse map, its figures in
+    training.json; a fused --init with other layers is still refused."""
+    root, _, _ = recorded
+    train(root, "plain-init", "--eval-drafts", "0", "--steps", "20")
+
+    def continued(name, *extra):  # a continued head keeps its draft vocabulary: no --draft-vocab
+        args = distill_args(root, root / name, root / f"work-{name}", "--features", str(root / f"feats-{name}"),
+                            "--init", str(root / "plain-init"), "--eval-drafts", "0", "--steps", "10", *extra)
+        at = args.index("--draft-vocab")
+        return args[:at] + args[at + 2:]
+
+    assert main(continued("fused-cont", "--fuse-layers", "1,3", "--reg-weight", "1")) == 0
+    training = json.loads((root / "fused-cont" / "training.json").read_text())
+    assert training["fuse_layers"] == [1, 3] and training["reg_weight"] == 1.0
+    assert set(training["fuse_fit"]) == {"rel_err_held", "r2_held", "rel_err_fit", "r2_fit"}
+    assert HeadConfig.load(root / "fused-cont").fuse_layers == [1, 3]
+    args = continued("refused", "--fuse-layers", "1,2")
+    args[args.index(str(root / "plain-init"))] = str(root / "fused-cont")
+    with pytest.raises(SystemExit, match="the --init head reads"):
+        main(args)

@@ -531,7 +531,7 @@ def run_head(args) -> int:
     from cascade.train.trainer import log, train_students
     from workers.devices import resolve_dtype
     from workers.draft_vocab import DraftVocab
-    from cascade.train.head_eagle3 import head_options, unrolled_kl
+    from cascade.train.head_eagle3 import fused_from, head_options, unrolled_kl
     from workers.head import FeatureHead, random_head
 
     device = setup_torch(args)
@@ -572,6 +572,10 @@ def run_head(args) -> int:
     if init is not None:
         head = FeatureHead.from_pretrained(init, dtype=torch.float32, device=device).train(False)
         rows = head.config.lm_head_rows
+        if layers and head.config.fuse_layers is None:  # a plain head continued with fused features
+            head, args.fuse_fit = fused_from(head, layers, train)
+            say(f"head: {init} continued over layers {layers}: fuse map fitted onto its last hidden states, "
+                f"{_rounded(args.fuse_fit)}")
     else:
         head = random_head(authority, seed=args.seed + 1, intermediate_size=args.head_ffn or config.intermediate_size,
                            lm_head_rows=rows, fuse_layers=layers).float()
@@ -638,7 +642,7 @@ def _save_head(args, head, vocab, covered, summary, metrics, drafting, ref, feat
         "records_train_tokens": int(train.tokens.numel()), "records_held_out_tokens": int(held.tokens.numel()),
         "train_seconds": round(summary["train_seconds"], 1),
         "final_train_loss": summary["history"]["head"][-1][1] if summary["history"]["head"] else None,
-        "history": summary["history"]["head"], "held_out": metrics, "drafting_greedy": drafting,
+        "history": summary["history"]["head"], "fuse_fit": getattr(args, "fuse_fit", None), "held_out": metrics, "drafting_greedy": drafting,
         "save_dtype": args.save_dtype, **run_record(args, device)}
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     say(f"saved the head -> {out}")

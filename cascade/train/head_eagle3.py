@@ -22,6 +22,14 @@ diagonal), exactly what the engine's head attends to at draft position ``j``
 (:func:`ttt_mask`). The loss is summed over the steps with weights ``0.8^(j-1)`` (EAGLE-3's),
 each step over the positions whose chain starts inside the window and the conversation.
 Gradients flow through the fed-back features.
+
+**Continuing a plain head with fused features** (``--init HEAD --fuse-layers ...``, HEAD over the
+last hidden state). The head keeps its weights and gains a fuse map fitted by ridge least squares
+from the fused inputs to the last hidden states of the training records (:func:`fit_fuse`), so
+that it starts close to what HEAD computes. Close, not equal: the last hidden state is the final
+norm of the residual stream after every layer, and no linear map of decoder layers' inputs gives
+it exactly; the fit's held-out relative error goes into ``training.json`` (``fuse_fit``). Give
+``--reg-weight 1`` to keep predicting in that space, as HEAD did.
 """
 from __future__ import annotations
 
@@ -189,11 +197,61 @@ def head_options(args, init, num_layers: int) -> list[int] | None:
     layers = parse_fuse_layers(getattr(args, "fuse_layers", None), num_layers)
     if init is not None:
         had = HeadConfig.load(init).fuse_layers
-        if getattr(args, "fuse_layers", None) and had != layers:
+        if getattr(args, "fuse_layers", None) and had is not None and had != layers:
             raise SystemExit(f"cascade distill --head: --fuse-layers {layers} but the --init head reads {had}")
-        layers = had
+        layers = layers if had is None else had  # a plain head continued fused: fused_from
     if getattr(args, "ttt_steps", 1) < 1:
         raise SystemExit(f"cascade distill --head: --ttt-steps {args.ttt_steps}: at least 1 (1: no training-time test)")
     if args.reg_weight is None:
         args.reg_weight = 0.0 if layers else 1.0
     return layers
+
+
+@torch.no_grad()
+def fit_fuse(fused: torch.Tensor, features: torch.Tensor, ridge: float = 1e-3, held_every: int = 10,
+             chunk: int = 4096) -> tuple[torch.Tensor, dict]:
+    """The ``fuse`` weight ``[hidden, feature_width]`` that best maps the fused inputs ``[n,
+    feature_width]`` onto the last hidden states ``[n, hidden]`` (ridge least squares in float64,
+    ``ridge`` x the mean diagonal of XᵀX), fitted on all rows but every ``held_every``-th; and the
+    fit's relative error ``|Y - XW| / |Y|`` and R² on those rows and on the fitted ones."""
+    n, width = fused.shape
+    held = torch.zeros(n, dtype=torch.bool)
+    held[::held_every] = True
+    xtx = torch.zeros(width, width, dtype=torch.float64)
+    xty = torch.zeros(width, features.shape[1], dtype=torch.float64)
+    for i in range(0, n, chunk):  # float64 in chunks: the whole of X would not fit
+        x, y, keep = fused[i:i + chunk].double(), features[i:i + chunk].double(), ~held[i:i + chunk]
+        xtx += x[keep].T @ x[keep]
+        xty += x[keep].T @ y[keep]
+    xtx.diagonal().add_(ridge * float(xtx.diagonal().mean()))
+    w = torch.linalg.solve(xtx, xty)
+    stats = {}
+    for name, rows in (("held", held), ("fit", ~held)):
+        x, y = fused[rows].double(), features[rows].double()
+        err = y - x @ w
+        stats[f"rel_err_{name}"] = float(err.norm() / y.norm())
+        stats[f"r2_{name}"] = float(1 - err.pow(2).sum() / (y - y.mean(0)).pow(2).sum())
+    return w.T.float().contiguous(), stats
+
+
+def fused_from(head, layers: Sequence[int], data) -> tuple[object, dict]:
+    """A head that reads ``layers`` fused, continuing ``head`` (one over the last hidden state):
+    its weights, and a fuse map fitted onto the last hidden states of ``data`` (a
+    :class:`cascade.train.head.HeadData` with fused inputs of ``layers``): see the module
+    docstring. Returns (the head, the fit's figures)."""
+    from dataclasses import replace
+
+    from workers.head import FeatureHead
+
+    if head.config.fuse_layers is not None:
+        raise ValueError(f"fused_from: the head already fuses layers {head.config.fuse_layers}")
+    if data.fused is None or data.fused.shape[1] != head.config.hidden_size * len(layers):
+        raise ValueError(f"fused_from: the data hold no fused inputs of {len(layers)} layers")
+    fused = FeatureHead(replace(head.config, fuse_layers=[int(k) for k in layers]))
+    fused.to(next(head.parameters()).dtype)
+    missing, unexpected = fused.load_state_dict(head.state_dict(), strict=False)
+    assert missing == ["fuse.weight"] and not unexpected, (missing, unexpected)
+    weight, stats = fit_fuse(data.fused, data.features)
+    with torch.no_grad():
+        fused.fuse.weight.copy_(weight)
+    return fused.to(next(head.parameters()).device).train(head.training), stats
