@@ -239,8 +239,7 @@ class SeqCaches(KVCache):
         if self.features is not None:
             self._record(seq_id, entry.tokens, fresh, 0, tree if nodes else None)
         entry.tokens.extend(fresh)
-        if nodes:
-            entry.tree = Pending(list(nodes), list(parents))
+        entry.tree = Pending(list(nodes), list(parents)) if nodes else None
         return host_logits(logits)
 
     def _batch(self, seq_ids, token_ids, num_positions, trees: Trees = None) -> list[torch.Tensor]:
@@ -281,8 +280,7 @@ class SeqCaches(KVCache):
                 entry.cache.update(layer.keys[b:b + 1, :, longest:longest + len(new)],
                                    layer.values[b:b + 1, :, longest:longest + len(new)], layer_idx)
             entry.tokens.extend(fresh)
-            if tree:
-                entry.tree = Pending(list(tree[0]), list(tree[1]))
+            entry.tree = Pending(list(tree[0]), list(tree[1])) if tree else None
             results.append(host_logits(out.logits[b, len(new) - n:len(new)]))
         return results
 
