@@ -39,6 +39,7 @@ import torch
 from cascade.errors import RequestError, WorkerError
 from cascade.sampling import Sampling, SamplingOverride
 from cascade.stats import BlockOutcome, RequestStats, StepProvenance, cut_provenance
+from cascade.tree import DraftTree, verify_trees
 from cascade.verify import Verdict, verify_block_keyed, verify_blocks
 from policies.base import (DraftStep, EdgeOutcome, PassCost, PlanContext, Policy, PolicyError, StepFeedback,
                            StepPlan, StopRule, draft_step)
@@ -379,8 +380,6 @@ class Engine:
         each depth the level draws its own token, with the draw of that position, and follows
         the child holding it. The path and the token drawn where it ends are exact samples of the
         level, and go into its block as a chain with the level's rows."""
-        from cascade.tree import DraftTree
-
         drafter, level = plan.path[0], plan.path[1]
         prefixes = [s.prefix + s.tokens for s in seqs]
         ids = [s.state.seq_id for s in seqs]
@@ -392,15 +391,15 @@ class Engine:
         depth = [len(x) for x in shapes]
         self._price(drafter, seqs, policy, time.perf_counter() - t0,
                     [_Feed(p, 1, len(p), d, len(t[0])) for p, d, t in zip(prefixes, depth, grown)])
-        trees = [DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
-                 for tokens, parents in grown]
+        trees = [DraftTree(tokens, parents) for tokens, parents in grown]
         t0 = time.perf_counter()
         worker = self.workers[level]
         logits, rows = _rows(stop, sampling, lambda: worker.score_tree_probs(ids, prefixes, grown, sampling),
                              lambda: worker.score_tree(ids, prefixes, grown))
         self._price(level, seqs, policy, time.perf_counter() - t0,
                     [_Feed(p, t.size + 1, len(p), 1, t.size + 1) for p, t in zip(prefixes, trees)])
-        verdicts = _tree_verdicts(sampling, trees, rows, [s.draws(sampling, t.max_depth + 1) for s, t in zip(seqs, trees)])
+        draws = [s.draws(sampling, t.max_depth + 1) for s, t in zip(seqs, trees)]
+        verdicts = verify_trees(sampling, trees, rows, draws)
         for a, (s, tree, verdict) in enumerate(zip(seqs, trees, verdicts)):
             if tree.size:
                 s.record.edge(drafter, level, tree.max_depth, verdict.accepted)
@@ -682,19 +681,6 @@ def _rows(stop: StopRule | None, sampling: Sampling, probs, logits) -> tuple[lis
         return out, [sampling.probs(x) for x in out]
     # one warp for every sequence's rows: warping is row-wise, each row as it is alone
     return out, list(sampling.probs(torch.cat(out)).split([x.shape[0] for x in out]))
-
-
-def _tree_verdicts(sampling: Sampling, trees: list, target_probs: list[torch.Tensor],
-                   draws: list[torch.Tensor]) -> list:
-    """The matching rule for trees of chosen candidates (cascade/tree.py; docs/exactness.md,
-    Trees), for a batch: the level's own token at every row of every tree, drawn with the draw of
-    the row's position (its depth), under either coupling, in one call; then each tree's walk
-    follows the child holding it and emits it where none does. Per sequence ``target_probs
-    [n + 1, vocab]`` and ``draws [max_depth + 1]``."""
-    from cascade.tree import verify_tree_keyed
-
-    mine = sampling.draw(torch.cat(target_probs), torch.cat([d[list(t.row_depths)] for t, d in zip(trees, draws)]))
-    return [verify_tree_keyed(t, m) for t, m in zip(trees, mine.split([t.size + 1 for t in trees]))]
 
 
 def _verdicts(sampling: Sampling, tokens: list[list[int]], draft_probs: list[torch.Tensor | None],

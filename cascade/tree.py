@@ -1,103 +1,89 @@
-"""The exact rule for verifying a *tree* of drafted tokens, as pure tensor functions.
+"""Trees of drafted tokens: their one shape, check and depth convention, and the exact rule that
+verifies them, as pure tensor functions (the argument is in docs/exactness.md, Trees).
 
 A chain of drafts dies at its first rejection; a tree keeps the drafter's other candidates for
-the same position alive, so one verifying pass can accept more. The argument for each rule is
-in docs/exactness.md (Trees). Names, by role, as in :mod:`cascade.verify`:
+the same position alive, so one verifying pass can accept more. Names, by role, as in
+:mod:`cascade.verify`:
 
-- a :class:`DraftTree` is one sequence's drafted nodes: ``tokens``, ``parents`` (:data:`ROOT`
-  for a child of the root, the position right after the committed prefix; otherwise an earlier
-  node) and ``draft_probs``, node ``i``'s row being the distribution its token was *really*
-  drawn from. Siblings are tried in index order. For siblings drawn one after another without
-  replacement (:func:`draw_siblings`) the ``k``-th one's row is the drafter's row with the
-  earlier siblings removed and renormalised; with replacement, the drafter's row itself; for
-  deterministic candidates (the drafter's top-k), one-hot.
+- a tree is one sequence's drafted nodes, ``tokens`` and ``parents``: node ``i`` hangs below node
+  ``parents[i]``, or below the root (:data:`ROOT`, the position right after the committed
+  prefix); a parent comes before its children; siblings are tried in index order.
+  :func:`check_tree` is the one check, for the engine's :class:`DraftTree` and the workers'
+  ``workers.trees.as_tree`` (and so the Ray wire) alike.
+- *depth*, the one convention: the length of a node's root-to-node path. The root has depth 0,
+  its children depth 1. A node at depth ``d`` stands at position ``len(prefix) + d - 1`` (where
+  its path, as a chain, puts it; ``workers.trees`` places nodes so), and the row scored after it
+  predicts position ``len(prefix) + d``: the token emitted after ``d`` accepted tokens is
+  emitted *at depth* ``d``, with the draw of that position. A tree drafted with widths
+  ``[3, 2, 1]`` is 3 deep.
 - ``target_probs [n + 1, vocab]``: the verifying level's rows, row 0 at the root and row
   ``1 + i`` after node ``i`` (one forward pass over the tree computes them all).
-- the *path*: the accepted nodes, root to leaf. Then one more token is emitted: *recovered*
-  (drawn from the residual after the last sibling tried) or *bonus* (the walk reached a node
-  with no children; drawn from its target row).
-- a node's *depth* is the length of its root-to-node path (the root's children have depth 1),
-  so the token emitted after ``d`` accepted tokens is emitted *at depth* ``d``.
 
-Randomness is passed in, so the caller owns the generator. The uniforms' layout, the same for
-:func:`verify_tree` and :func:`verify_tree_matching` (``DraftTree.uniform_count`` of them):
-``uniforms[i]`` (``i < n``) is node ``i``'s acceptance draw, ``uniforms[n + d]`` draws the
-token emitted at depth ``d``. The walk uses one emission draw (at the depth where it stops) and
-the matching rule one per depth it reaches; each is fresh when it is used, since whether the
-walk gets there depends on other draws only.
+The rule, for candidates the drafter *chose* (its top-k, never sampled): the verifier draws its
+own token from every row with the draw of the row's depth, under either coupling
+(``Sampling.draw``); from the root the walk moves to the first child holding the verifier's token
+and, at the first node where none does, emits that token (*bonus* where the node has no
+children). The output is the verifier's own draws, cut where the walk stops, which only this
+edge's drafts and draws decide: exact whatever the candidates.
 
-No models, no caches, no Ray here.
+Randomness is passed in, so the caller owns the generator. No models, no caches, no Ray here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from cascade.sampling import sample_with_uniform
-from cascade.verify import Verdict, residual
+from cascade.sampling import Sampling
 
 ROOT = -1  # the parent of a depth-1 node: the position right after the committed prefix
 
 
+def check_tree(tokens, parents) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(tokens, parents)`` as tuples of ints, checked: one-dimensional integer sequences or
+    tensors of the same length, each parent :data:`ROOT` or an earlier node, tokens non-negative."""
+    tokens, parents = _ints("tokens", tokens), _ints("parents", parents)
+    if len(parents) != len(tokens):
+        raise ValueError(f"parents must have one entry per node: {len(tokens)} tokens, {len(parents)} parents")
+    for i, parent in enumerate(parents):
+        if not ROOT <= parent < i:
+            raise ValueError(f"parents[{i}] = {parent}: a node's parent must be ROOT (-1) or an earlier "
+                             f"node (0..{i - 1})")
+    if tokens and min(tokens) < 0:
+        raise ValueError(f"tokens must be non-negative ids, got {list(tokens)}")
+    return tokens, parents
+
+
+def depths(parents: Sequence[int]) -> tuple[int, ...]:
+    """Each node's depth (the module's convention: 1 for a child of the root), from checked parents."""
+    out: list[int] = []
+    for parent in parents:
+        out.append(1 if parent == ROOT else out[parent] + 1)
+    return tuple(out)
+
+
 @dataclass(frozen=True, eq=False)
 class DraftTree:
-    """One sequence's drafted tree; node ``i``'s parent is ``ROOT`` or a node before ``i``.
+    """One sequence's drafted tree, checked (:func:`check_tree`) and its structure read once."""
 
-    The structure (children, depths) is read once, when the tree is made and checked."""
-
-    tokens: torch.Tensor  # [n] long
-    parents: torch.Tensor  # [n] long: ROOT (-1) or an index < the node's own
-    draft_probs: torch.Tensor | None = None  # [n, vocab]; None: the candidates were chosen, not sampled
-
-    # read from them by __post_init__:
-    token_list: tuple[int, ...] = field(init=False, repr=False)
-    parent_list: tuple[int, ...] = field(init=False, repr=False)
-    depths: tuple[int, ...] = field(init=False, repr=False)  # each node's depth: 1 for the root's children
-    _children: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
+    tokens: tuple[int, ...]  # [n]; sequences or tensors are taken and kept as tuples of ints
+    parents: tuple[int, ...]  # [n]: ROOT (-1) or an index below the node's own
+    depths: tuple[int, ...] = field(init=False, repr=False)  # each node's: 1 for the root's children
+    _children: tuple[tuple[int, ...], ...] = field(init=False, repr=False)  # 0: the root's, 1 + i: node i's
 
     def __post_init__(self):
-        tokens = _index_vector("tokens", self.tokens)
-        parents = _index_vector("parents", self.parents)
-        n = tokens.shape[0]
-        if parents.shape[0] != n:
-            raise ValueError(f"parents must have one entry per node: {n} tokens, {parents.shape[0]} parents")
-        token_list, parent_list = tuple(tokens.tolist()), tuple(parents.tolist())
-        children: list[list[int]] = [[] for _ in range(n + 1)]  # index 0: the root's, 1 + i: node i's
-        depths: list[int] = []
-        for i, parent in enumerate(parent_list):
-            if not ROOT <= parent < i:
-                raise ValueError(f"parents[{i}] = {parent}: a node's parent must be ROOT (-1) or an earlier "
-                                 f"node (0..{i - 1})")
+        tokens, parents = check_tree(self.tokens, self.parents)
+        children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]
+        for i, parent in enumerate(parents):
             children[parent + 1].append(i)
-            depths.append(1 if parent == ROOT else depths[parent] + 1)
-        if n and min(token_list) < 0:
-            raise ValueError(f"tokens must be non-negative ids, got {list(token_list)}")
-        if self.draft_probs is not None:
-            rows = self.draft_probs
-            if rows.dim() != 2 or rows.shape[0] != n:
-                raise ValueError(f"draft_probs must be [n, vocab] with n = {n}, got shape {list(rows.shape)}")
-            if n and max(token_list) >= rows.shape[1]:
-                raise ValueError(f"tokens must lie below the vocabulary size {rows.shape[1]}, got {list(token_list)}")
-        for name, value in [("tokens", tokens), ("parents", parents), ("token_list", token_list),
-                            ("parent_list", parent_list), ("_children", tuple(tuple(c) for c in children)),
-                            ("depths", tuple(depths))]:
+        for name, value in [("tokens", tokens), ("parents", parents), ("depths", depths(parents)),
+                            ("_children", tuple(map(tuple, children)))]:
             object.__setattr__(self, name, value)
-
-    @classmethod
-    def chain(cls, tokens: torch.Tensor | Sequence[int], draft_probs: torch.Tensor | None = None) -> "DraftTree":
-        """A block as a tree: every node the only child of the one before."""
-        n = len(tokens)
-        return cls(torch.as_tensor(tokens, dtype=torch.long), torch.arange(-1, n - 1), draft_probs)
 
     @property
     def size(self) -> int:
-        return len(self.token_list)
-
-    def children(self, node: int = ROOT) -> tuple[int, ...]:
-        """A node's children (the root's for ``ROOT``), in the order they are tried."""
-        return self._children[node + 1]
+        return len(self.tokens)
 
     @property
     def max_depth(self) -> int:
@@ -109,19 +95,17 @@ class DraftTree:
         counted from the first position after the prefix, of the token drawn from it."""
         return (0, *self.depths)
 
+    def children(self, node: int = ROOT) -> tuple[int, ...]:
+        """A node's children (the root's for ``ROOT``), in the order they are tried."""
+        return self._children[node + 1]
+
     def path(self, node: int) -> tuple[int, ...]:
         """The nodes from the root down to ``node``, ``node`` included (``()`` for ``ROOT``)."""
         path = []
         while node != ROOT:
             path.append(node)
-            node = self.parent_list[node]
+            node = self.parents[node]
         return tuple(reversed(path))
-
-    @property
-    def uniform_count(self) -> int:
-        """How many uniforms verifying this tree takes: one acceptance draw per node, then one
-        emission draw per depth ``0..max_depth``."""
-        return self.size + self.max_depth + 1
 
 
 @dataclass(frozen=True)
@@ -131,7 +115,7 @@ class TreeVerdict:
     path: tuple[int, ...]  # the accepted nodes, root to leaf
     tokens: tuple[int, ...]  # their tokens
     next_token: int
-    bonus: bool  # True: the walk reached a node with no children; next_token is drawn from its target row
+    bonus: bool  # True: the walk reached a node with no children
 
     @property
     def accepted(self) -> int:
@@ -139,178 +123,85 @@ class TreeVerdict:
 
     @property
     def emitted(self) -> tuple[int, ...]:
-        """The tokens the level emits: the accepted path's, then the recovered or bonus token."""
+        """The tokens the level emits: the accepted path's, then the verifier's own at the end."""
         return (*self.tokens, self.next_token)
 
     @property
     def rows(self) -> tuple[int, ...]:
-        """The rows of ``target_probs`` at the emitted positions: 0, then ``1 + i`` for ``i`` in the path."""
+        """The rows of ``target_probs`` at the emitted positions: 0, then ``1 + i`` for ``i`` in the
+        path. Each emitted token is an exact sample of its row given the tokens before it, so a
+        level sends ``emitted`` up as a chain with these rows as its ``draft_probs``."""
         return (0, *(1 + i for i in self.path))
 
-    def target_rows(self, target_probs: torch.Tensor) -> torch.Tensor:  # [n + 1, vocab] -> [accepted + 1, vocab]
-        """The verifier's rows at the emitted positions: what each emitted token is an exact sample
-        of, given the tokens before it (the recovered token too: a residual was its route, not its
-        distribution). A level sends ``emitted`` up as a chain with these as its ``draft_probs``."""
-        return target_probs[list(self.rows)]
 
-    def as_verdict(self) -> Verdict:
-        """The chain verdict this amounts to once the tree is flattened to its path."""
-        return Verdict(self.accepted, self.next_token, self.bonus)
-
-
-def draw_siblings(
-    draft_probs: torch.Tensor,  # [..., vocab]: the drafter's row at the parent
-    uniforms: torch.Tensor,  # [..., k]: one draw per sibling
-) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [..., k] long, draft_probs [..., k, vocab]
-    """Draw ``k`` distinct siblings one after another, without replacement: the ``j``-th from the
-    drafter's row with the first ``j - 1`` removed and renormalised. Returns the tokens and those
-    rows (the first one the drafter's row itself): each token's ``draft_probs`` in a tree.
-
-    Every row needs at least ``k`` tokens with mass (a sibling cannot be drawn from nothing).
-    """
-    k = uniforms.shape[-1]
-    if k == 0:
-        return (torch.zeros(draft_probs.shape[:-1] + (0,), dtype=torch.long),
-                draft_probs.new_zeros(draft_probs.shape[:-1] + (0, draft_probs.shape[-1])))
-    support = int((draft_probs > 0).sum(-1).min())
-    if k > support:
-        raise ValueError(f"cannot draw {k} distinct siblings from a row with {support} tokens of nonzero mass")
-    rows, tokens = [draft_probs], []
-    for j in range(k):
-        if j:  # the row without the siblings drawn so far
-            remaining = rows[-1].scatter(-1, tokens[-1].unsqueeze(-1), 0.0)
-            rows.append(remaining / remaining.sum(-1, keepdim=True))
-        tokens.append(sample_with_uniform(rows[-1], uniforms[..., j]))
-    return torch.stack(tokens, -1), torch.stack(rows, -2)
+def walk_trees(
+    sampling: Sampling,  # the verifier's: its coupling draws a token per row (greedy: the argmax)
+    tokens: torch.Tensor,  # [batch, n] long; -1 past a tree's own nodes (trees of different sizes)
+    parents: torch.Tensor,  # [batch, n] long: ROOT or an earlier node; ROOT past a tree's own nodes
+    depths: torch.Tensor,  # [batch, n] long: each node's (DraftTree.depths); 0 past a tree's own nodes
+    target_probs: torch.Tensor,  # [rows, vocab]: each tree's rows in turn, the root's then its nodes'
+    draws: torch.Tensor,  # [batch, depth + 1]: each depth's draw (sampling.draws), to the deepest tree's
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # path [batch, n] bool, next_token [batch], bonus [batch]
+    """The rule for a batch of trees, vectorised: the verifier's own token at every row, drawn
+    with the draw of the row's depth, all in one ``sampling.draw``; then every tree's walk, a
+    depth at a time: to the first child of its node holding the verifier's token there, or stop
+    and emit that token. Inputs are trusted: :func:`verify_trees` checks and pads them."""
+    batch, n = tokens.shape
+    real = tokens >= 0
+    rows = torch.cat([real.new_ones(batch, 1), real], 1)  # [batch, n + 1]: the root's and the nodes'
+    mine = torch.full((batch, n + 1), -1, dtype=torch.long)  # the verifier's token at each row
+    row_depths = torch.cat([depths.new_zeros(batch, 1), depths], 1)  # the root's row: depth 0
+    mine[rows] = sampling.draw(target_probs, draws.gather(1, row_depths)[rows])
+    above = parents + 1  # each node's parent's row
+    holds = real & (tokens == mine.gather(1, above))  # the node holds the verifier's token at its parent
+    at = torch.zeros(batch, dtype=torch.long)  # the walk's row (0: the root)
+    path = torch.zeros(batch, n + 1, dtype=torch.bool)  # by row; the root's column is dropped
+    for _ in range(int(depths.max()) if n else 0):
+        here = holds & (above == at[:, None])  # at most the walk's node's children
+        # the first of them (argmax takes the first maximum); where there is none, the walk stays
+        at = torch.where(here.any(1), here.to(torch.uint8).argmax(1) + 1, at)
+        path.scatter_(1, at[:, None], True)
+    bonus = ~(real & (above == at[:, None])).any(1)  # the walk's node has no children
+    return path[:, 1:], mine.gather(1, at[:, None])[:, 0], bonus
 
 
-def verify_tree(
-    tree: DraftTree,  # draft_probs required
-    target_probs: torch.Tensor,  # [n + 1, vocab]
-    uniforms: torch.Tensor,  # [tree.uniform_count]: n acceptance draws, then one emission draw per depth
-) -> TreeVerdict:
-    """Verify a tree by recursive rejection sampling (docs/exactness.md, Trees).
-
-    From the root, with ``row`` the verifier's row at the current node, try its children in
-    order: accept child ``c`` with probability ``min(1, row[x_c] / draft_probs[c][x_c])`` and
-    move to it (``row`` = the verifier's row after ``c``); on rejection replace ``row`` by the
-    normalised residual ``max(0, row - draft_probs[c])`` and try the next sibling. After the last
-    sibling is rejected, emit a recovered token from the residual; at a node with no children,
-    a bonus token from its row. A chain gives :func:`cascade.verify.verify_block`'s verdict.
-    """
-    draft_probs = tree.draft_probs
-    if draft_probs is None:
-        raise ValueError("verify_tree needs the tree's draft_probs (deterministic candidates: verify_tree_matching)")
-    _check_rows(tree, target_probs, draft_probs.shape[1])
-    _check_uniforms(tree, uniforms)
-    draws, tokens, n = uniforms.tolist(), tree.token_list, tree.size
-    path: list[int] = []
-    node = ROOT
-    while True:
-        row = emit_from = target_probs[node + 1]
-        for child in tree.children(node):
-            x = tokens[child]
-            draft_row = draft_probs[child]
-            draft_at = float(draft_row[x])
-            # u < min(1, t/d)  <=>  u * d < t (as verify_block; a token of zero draft mass is rejected)
-            if draft_at > 0 and draws[child] * draft_at < float(row[x]):
-                break
-            emit_from = residual(row, draft_row)
-            row = emit_from / emit_from.sum()  # the next sibling is tested against a distribution
-        else:  # every child rejected (recovered), or none to try (bonus)
-            token = int(sample_with_uniform(emit_from, uniforms[n + len(path)]))
-            return _verdict(tree, path, token)
-        path.append(child)
-        node = child
+def verify_trees(
+    sampling: Sampling,
+    trees: Sequence[DraftTree],
+    target_probs: Sequence[torch.Tensor],  # per tree [n + 1, vocab]
+    draws: Sequence[torch.Tensor],  # per tree [max_depth + 1] at least: each depth's draw
+) -> list[TreeVerdict]:
+    """:func:`walk_trees` over the engine's trees: padded into one batch, checked, and each
+    tree's outcome as a :class:`TreeVerdict`."""
+    if not trees:
+        return []
+    n, deepest = max(t.size for t in trees), max(t.max_depth for t in trees)
+    vocab = target_probs[0].shape[-1]
+    padded = torch.zeros(len(trees), deepest + 1, dtype=draws[0].dtype)
+    for b, (tree, row, draw) in enumerate(zip(trees, target_probs, draws, strict=True)):
+        if row.shape != (tree.size + 1, vocab) or (tree.size and max(tree.tokens) >= vocab):
+            raise ValueError(f"target_probs[{b}] must be [n + 1, vocab] = [{tree.size + 1}, {vocab}] (row 0 at the "
+                             f"root, 1 + i after node i) over the tree's tokens, got shape {list(row.shape)}")
+        if draw.shape[0] <= tree.max_depth:
+            raise ValueError(f"draws[{b}] must hold a draw per depth 0..{tree.max_depth}, got {draw.shape[0]}")
+        padded[b, :tree.max_depth + 1] = draw[:tree.max_depth + 1]
+    tokens, parents, depths = (torch.tensor([[*getattr(t, name), *[pad] * (n - t.size)] for t in trees],
+                                            dtype=torch.long)
+                               for name, pad in [("tokens", -1), ("parents", ROOT), ("depths", 0)])
+    path, next_token, bonus = walk_trees(sampling, tokens, parents, depths, torch.cat(list(target_probs)), padded)
+    out = []
+    for tree, on, token, leaf in zip(trees, path.tolist(), next_token.tolist(), bonus.tolist()):
+        nodes = tuple(i for i in range(tree.size) if on[i])
+        out.append(TreeVerdict(nodes, tuple(tree.tokens[i] for i in nodes), token, leaf))
+    return out
 
 
-def verify_tree_matching(
-    tree: DraftTree,  # draft_probs not needed
-    target_probs: torch.Tensor,  # [n + 1, vocab]
-    uniforms: torch.Tensor,  # [tree.uniform_count]: the layout of verify_tree (acceptance draws unused)
-) -> TreeVerdict:
-    """The rule for candidates chosen deterministically (the drafter's top-k): at each node the
-    verifier draws its own token from its row with that depth's emission draw; if a child has
-    that token, accept it (the first such) and go on, else emit the token. Equal in distribution
-    to :func:`verify_tree` with one-hot draft rows, without touching a residual."""
-    _check_rows(tree, target_probs, None)
-    _check_uniforms(tree, uniforms)
-    n = tree.size
-    path, token = _follow(tree, lambda node, depth: int(sample_with_uniform(target_probs[node + 1],
-                                                                            uniforms[n + depth])))
-    return _verdict(tree, path, token)
-
-
-def verify_tree_keyed(
-    tree: DraftTree,  # draft_probs not needed
-    target_tokens: torch.Tensor | Sequence[int],  # [n + 1]: the verifier's own keyed draw at the root and after each node
-) -> TreeVerdict:
-    """The keyed coupling (:func:`cascade.verify.verify_block_keyed` for trees): follow the child
-    equal to the verifier's own draw (``sample_with_keys`` of the row, with the key of its
-    position: ``tree.row_depths`` past the prefix); at the first node with none, emit that draw.
-    The output is the verifier's own draws, whatever the tree."""
-    target_tokens = [int(t) for t in target_tokens]
-    if len(target_tokens) != tree.size + 1:
-        raise ValueError(f"target_tokens must have n + 1 = {tree.size + 1} entries, got {len(target_tokens)}")
-    path, token = _follow(tree, lambda node, depth: target_tokens[node + 1])
-    return _verdict(tree, path, token)
-
-
-def verify_tree_greedy(
-    tree: DraftTree,  # draft_probs not needed
-    target_probs: torch.Tensor,  # [n + 1, vocab]: greedy rows (one-hot) or logits
-) -> TreeVerdict:
-    """Greedy: follow the child equal to the verifier's argmax (the first one, as
-    ``sampling_probs`` at temperature 0), then emit the argmax; :func:`verify_tree` with one-hot
-    target rows gives the same."""
-    _check_rows(tree, target_probs, None)
-    argmaxes = target_probs.argmax(-1).tolist()
-    path, token = _follow(tree, lambda node, depth: argmaxes[node + 1])
-    return _verdict(tree, path, token)
-
-
-# -- helpers ---------------------------------------------------------------------------------------
-
-def _follow(tree: DraftTree, token_at: Callable[[int, int], int]) -> tuple[list[int], int]:
-    """Walk down from the root: at each node the verifier's token is ``token_at(node, depth)``;
-    move to the first child holding it, or stop there and return the path and that token."""
-    tokens = tree.token_list
-    path: list[int] = []
-    node = ROOT
-    while True:
-        token = token_at(node, len(path))
-        child = next((c for c in tree.children(node) if tokens[c] == token), None)
-        if child is None:
-            return path, token
-        path.append(child)
-        node = child
-
-
-def _verdict(tree: DraftTree, path: list[int], token: int) -> TreeVerdict:
-    tokens = tree.token_list
-    return TreeVerdict(tuple(path), tuple(tokens[i] for i in path), token, not tree.children(path[-1] if path else ROOT))
-
-
-def _index_vector(name: str, values) -> torch.Tensor:
+def _ints(name: str, values) -> tuple[int, ...]:
+    if isinstance(values, (list, tuple)) and all(type(v) is int for v in values):
+        return tuple(values)  # the workers' own lists: checked on every call, so without a tensor
     vector = torch.as_tensor(values)
     if vector.dim() != 1:
         raise ValueError(f"{name} must be one-dimensional [n], got shape {list(vector.shape)}")
     if vector.numel() and (vector.is_floating_point() or vector.is_complex() or vector.dtype == torch.bool):
         raise ValueError(f"{name} must be integers, got {vector.dtype}")
-    return vector.to(torch.long)
-
-
-def _check_rows(tree: DraftTree, target_probs: torch.Tensor, vocab: int | None) -> None:
-    n = tree.size
-    if target_probs.dim() != 2 or target_probs.shape[0] != n + 1 or (vocab is not None and target_probs.shape[1] != vocab):
-        want = f"[{n + 1}, {vocab if vocab is not None else 'vocab'}]"
-        raise ValueError(f"target_probs must be [n + 1, vocab] = {want} (row 0 at the root, 1 + i after node i), "
-                         f"got shape {list(target_probs.shape)}")
-    if n and max(tree.token_list) >= target_probs.shape[1]:
-        raise ValueError(f"tokens must lie below the vocabulary size {target_probs.shape[1]}, got {tree.token_list}")
-
-
-def _check_uniforms(tree: DraftTree, uniforms: torch.Tensor) -> None:
-    if uniforms.shape != (tree.uniform_count,):
-        raise ValueError(f"uniforms must be [n + max_depth + 1] = [{tree.uniform_count}] (one acceptance draw per "
-                         f"node, then one emission draw per depth), got shape {list(uniforms.shape)}")
+    return tuple(vector.tolist())

@@ -16,9 +16,9 @@ class FixedParams(PathParams):
                        "mapping level -> int (levels left out: 4). 0 = that level only samples.")
     tree: dict[LevelName, TreeShape] = Field(
         default_factory=dict,
-        description="level -> widths per depth, e.g. {draft: [3, 2, 1]}: where that level is the path's first, it "
-                    "drafts a tree of its top candidates (widths[d] below every node at depth d) instead of a block, "
-                    "verified in one pass by the next level.")
+        description="level -> widths per depth, e.g. {draft: [3, 2, 1]}, for the path's first level (another is "
+                    "refused): it drafts a tree of its top candidates (widths[d] below every node at depth d) "
+                    "instead of a block, verified in one pass by the next level.")
     stand_in: dict[LevelName, LevelName] = Field(
         default_factory=dict,
         description="level -> level, e.g. {ngram: head}: where the first level of the path proposes nothing for a "
@@ -32,7 +32,7 @@ class FixedPolicy(Policy):
     Params (:class:`FixedParams`):
       lookahead: int for every proposing level, or a mapping level -> int (default 4).
       path: list of level names ending at the authority (default: the longest path).
-      tree: mapping level -> widths per depth; that level drafts trees where it starts the path.
+      tree: mapping level -> widths per depth, for the level that starts the path (others are refused).
       stand_in: mapping level -> level; the second drafts where the first, starting the path,
         proposes nothing.
 
@@ -67,6 +67,12 @@ class FixedPolicy(Policy):
             raise self.param_error("tree", f"unknown level(s) {sorted(unknown)}; levels: {list(graph.nodes)}")
         if authority in self.tree_param:
             raise self.param_error("tree", f"the authority {authority!r} proposes nothing")
+        # a tree is drafted by the level that starts the path; one named elsewhere would do nothing
+        path = self.path_param or longest_path(graph, authority)
+        for level in self.tree_param:
+            if level != path[0]:
+                raise self.param_error("tree", f"level {level!r} does not start the path {' -> '.join(path)}: only "
+                                               f"the path's first level ({path[0]!r}) drafts a tree")
         unknown = (set(self.stand_in_param) | set(self.stand_in_param.values())) - set(graph.nodes)
         if unknown:
             raise self.param_error("stand_in", f"unknown level(s) {sorted(unknown)}; levels: {list(graph.nodes)}")

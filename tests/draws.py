@@ -113,7 +113,7 @@ def per_row(rule):
 
 
 def trees_without_residual(sampling, trees, target_probs, draws):
-    """:func:`tree_without_residual` for a batch, in the engine's ``_tree_verdicts``' place."""
+    """:func:`tree_without_residual` for a batch, in the engine's ``verify_trees``' place."""
     return [tree_without_residual(sampling, t, p, d) for t, p, d in zip(trees, target_probs, draws)]
 
 
@@ -123,7 +123,7 @@ def tree_without_residual(sampling, tree, target_probs, draws):
     from the unmodified row. A chain is verified right by it; siblings are not."""
     from cascade.tree import ROOT, TreeVerdict
 
-    tokens, path, node = tree.token_list, [], ROOT
+    tokens, path, node = tree.tokens, [], ROOT
     while True:
         u, row = float(draws[len(path)]), target_probs[node + 1]
         child = next((c for c in tree.children(node) if u < float(row[tokens[c]])), None)

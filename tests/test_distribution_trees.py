@@ -46,7 +46,7 @@ def test_trees_give_the_exact_joint_distribution(tmp_path, coupling, depth, temp
 
 def test_a_tree_rule_without_the_residual_fails_the_same_bound(tmp_path, monkeypatch):
     """The trees' negative control: siblings tried against the unmodified row (no residual)."""
-    monkeypatch.setattr(cascade.engine, "_tree_verdicts", trees_without_residual)
+    monkeypatch.setattr(cascade.engine, "verify_trees", trees_without_residual)
     n = 30_000
     topo = table_topology(tmp_path, 2, policy=tree_policy(2, [3, 2, 2]))
     with Cascade.from_topology(topo) as c:

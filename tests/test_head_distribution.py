@@ -84,7 +84,7 @@ def test_a_heads_tree_without_the_residual_fails(setup, monkeypatch):
     import cascade.engine
     from draws import trees_without_residual
 
-    monkeypatch.setattr(cascade.engine, "_tree_verdicts", trees_without_residual)
+    monkeypatch.setattr(cascade.engine, "verify_trees", trees_without_residual)
     n = 20_000
     counts, _, _, _ = draw(topology(setup, ["head", "auth"], tree=[3, 2, 1]), n, seed=5)
     _, pvalue = chi_square_pvalue(counts, exact_pairs(setup / "auth"), n)

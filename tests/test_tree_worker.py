@@ -387,7 +387,7 @@ def test_generic_score_tree_on_the_table_worker():
     assert torch.equal(worker.score_tree(["a"], prefixes[:1], [named])[0], got[0])
     with pytest.raises(ValueError, match="parent"):
         worker.score_tree(["a"], [[1]], [([1, 2], [-1, 1])])
-    with pytest.raises(ValueError, match="2 tokens but 1 parents"):
+    with pytest.raises(ValueError, match="one entry per node: 2 tokens, 1 parents"):
         worker.score_tree(["a"], [[1]], [([1, 2], [-1])])
 
 

@@ -1,15 +1,16 @@
 """Trees of candidate tokens, as the workers see them: scoring all nodes in one pass, and what a
 cache keeps of a scored tree afterwards.
 
-A tree is ``(tokens, parents)``: node ``i`` holds ``tokens[i]`` and hangs below node
-``parents[i]``, or below the root (the position after the committed sequence) where that is -1;
-a parent comes before its children. A node at depth ``d`` (0 for a child of the root) stands
-at position ``len(prefix) + d``: the position it would have on its root-to-node path as a chain.
+A tree is ``(tokens, parents)``, checked and measured as :mod:`cascade.tree` says (one check,
+one depth convention: a child of the root has depth 1); a node at depth ``d`` stands at position
+``len(prefix) + d - 1``, the position it would have on its root-to-node path as a chain
+(:func:`positions`).
 
 One pass scores a tree by feeding its nodes as new positions after the uncached tail of the
 prefix, with per-node position ids and an attention mask in which a node sees the prefix, its
-ancestors and itself, nothing else. Its logits at a node are those of its root-to-node path as
-a chain. The cache then holds the prefix and every node; the next call, which hands the whole
+ancestors and itself, nothing else (:func:`ancestry`, the one builder of that mask;
+:func:`window_mask` places it among a pass's positions). Its logits at a node are those of its
+root-to-node path as a chain. The cache then holds the prefix and every node; the next call, which hands the whole
 new sequence as always, *settles* the tree: the longest root-to-node path matching the new
 sequence stays (its keys/values moved to the columns right after the prefix, where a chain
 would have put them), every other node goes (:func:`accepted_path`).
@@ -21,29 +22,26 @@ from typing import Sequence
 
 import torch
 
+from cascade import tree as cascade_tree
+
 Tree = tuple[list[int], list[int]]  # (tokens, parents)
 
 
 def as_tree(tree) -> Tree:
-    """``(tokens, parents)`` as two lists of ints, checked: from a pair of tensors or sequences,
-    or from anything with ``tokens`` and ``parents`` attributes (``cascade.tree.DraftTree``)."""
-    tokens, parents = (tree.tokens, tree.parents) if hasattr(tree, "parents") else tree
-    tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
-    parents = parents.tolist() if isinstance(parents, torch.Tensor) else [int(p) for p in parents]
-    if len(tokens) != len(parents):
-        raise ValueError(f"a tree has {len(tokens)} tokens but {len(parents)} parents")
-    for i, p in enumerate(parents):
-        if not -1 <= p < i:
-            raise ValueError(f"tree node {i} has parent {p}: a parent is -1 (the root) or an earlier node")
-    return tokens, parents
+    """``(tokens, parents)`` as two lists of ints, checked (:func:`cascade.tree.check_tree`): from a
+    pair of tensors or sequences, or from anything with ``tokens`` and ``parents`` (a ``DraftTree``)."""
+    tokens, parents = cascade_tree.check_tree(*((tree.tokens, tree.parents) if hasattr(tree, "parents") else tree))
+    return list(tokens), list(parents)
 
 
-def depths(parents: Sequence[int]) -> list[int]:
-    """Each node's depth: 0 for a child of the root."""
-    out: list[int] = []
-    for p in parents:
-        out.append(0 if p < 0 else out[p] + 1)
-    return out
+def positions(parents: Sequence[int]) -> list[int]:
+    """Each node's position counted from the first after the prefix: its depth - 1."""
+    return [d - 1 for d in cascade_tree.depths(parents)]
+
+
+# The old name the cache code (workers/pool.py, workers/kvcache.py) still imports; it goes once
+# they import positions (not a depth: cascade/tree.py's depth is one more).
+depths = positions
 
 
 def ancestry(parents: Sequence[int]) -> torch.Tensor:
@@ -88,18 +86,12 @@ def accepted_path(tokens: Sequence[int], parents: Sequence[int], sequence: Seque
     """The nodes of the longest root-to-node path whose tokens continue ``sequence`` after its
     first ``base`` tokens (the prefix the tree was scored after), root first; the first such
     path where several are as long (siblings with the same token)."""
-    matched = [False] * len(tokens)
-    depth = [0] * len(tokens)
-    best, best_depth = -1, -1
-    length = len(sequence)
+    matched, at, best = [False] * len(tokens), positions(parents), -1
     for i, (token, p) in enumerate(zip(tokens, parents)):
-        if p >= 0 and not matched[p]:
-            continue
-        d = 0 if p < 0 else depth[p] + 1
-        if base + d < length and sequence[base + d] == token:
-            matched[i], depth[i] = True, d
-            if d > best_depth:
-                best, best_depth = i, d
+        if (p < 0 or matched[p]) and base + at[i] < len(sequence) and sequence[base + at[i]] == token:
+            matched[i] = True
+            if best < 0 or at[i] > at[best]:
+                best = i
     path = []
     while best >= 0:
         path.append(best)
