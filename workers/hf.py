@@ -95,9 +95,8 @@ class HFWorker(Worker):
                                  "(workers/lean.py), which quantized products need")
             quantized.measure()
         self._features: FeatureStore | None = None  # the last hidden states, kept once a head reads them
-        # The sequences' keys and values (workers/kvcache.py): rows of one pool where the model's
-        # cache layout allows, and a cache of its own for a sequence served alone (or for every
-        # sequence where the pool does not apply).
+        # The sequences' keys and values (workers/kvcache.py): rows of one pool for batches, and a
+        # cache of its own for a sequence served alone or where the model's layout rules the pool out.
         self._caches = SeqCaches(self.model, self.device, self._logits, self._tree_attention)
         self._pool = Pool(self.model, self.device, self.context_length, self._logits) if self._caches.growing else None
 

@@ -243,12 +243,10 @@ class SeqCaches(KVCache):
         return host_logits(logits)
 
     def _batch(self, seq_ids, token_ids, num_positions, trees: Trees = None) -> list[torch.Tensor]:
-        """One pass of transformers' forward over several sequences' caches, left-padded to a
-        common length, the new tokens right-padded, an attention mask hiding every pad and
-        position ids per row; each row's new keys/values are then appended to its own cache.
-        (A DynamicCache already copies the whole cache on every append, so the padding copy does
-        not change the order of the cost.) With ``trees``, each row feeds its tree's nodes after
-        its tail, at their depths' positions, under a 4D tree mask; they stay pending."""
+        """One pass of transformers' forward over several sequences' caches left-padded to a common
+        length (:meth:`_padded`: a DynamicCache copies the whole cache on every append anyway), new
+        tokens right-padded, a mask hiding every pad, position ids per row; each row's new
+        keys/values go to its own cache. A tree's nodes follow its row's tail, pending after."""
         rows = [self._reconcile(s, list(t), n) for s, t, n in zip(seq_ids, token_ids, num_positions)]
         news = [new + tree[0] for (_, new), tree in zip(rows, trees)] if trees else [new for _, new in rows]
         if trees:
