@@ -15,7 +15,7 @@ import networkx as nx
 from pydantic import Field, StrictBool
 
 from policies.base import PassCost, PlanContext, Policy, StepFeedback, StepPlan, StopRule, longest_path
-from policies.estimates import Calibration, Estimates, LevelCost, tree_passes
+from policies.estimates import Calibration, Estimates, LevelCost, batch_bucket, tree_passes
 from policies.fixed import check_path
 from policies.params import Float, Int, Lookahead, PathParams, PolicyParams, TreeShape, Unit
 from policies.stops import CalibratedStop, ConfidenceStop, EntropyStop
@@ -87,6 +87,10 @@ class EscalationParams(CostParams):
     contender_margin: Weight = Field(0.25, description="Every other probe round after the warm-up takes only the "
                                      "paths priced within 1 + this of the cheapest.")
     reprice_every: Positive = Field(8, description="Plans one pricing of the paths serves (a probe round reprices).")
+    realized_after: Weight = Field(
+        16.0, description="Sequence-steps of a drafting path measured at a batch size after which, if its measured "
+        "seconds per committed token exceed the authority alone's, the authority decodes alone (0: never).")
+    realized_decay: Unit = Field(0.99, description="Per sequence-step decay of the measured seconds per token.")
 
 
 class AutoParams(EscalationParams):
@@ -199,6 +203,27 @@ class Regime:
 
 
 @dataclass
+class Realized:
+    """What a path's steps really cost, per committed token, as its sequences saw it: every
+    level's share of the passes, summed, against the tokens committed (decayed sums; one per
+    sampling regime, batch-size bucket and path chosen). The price is a model — passes' fixed and
+    per-position costs, acceptance by position — and leaves out what it does not model (a
+    proposer whose blocks are cut short or that matches in few rows, drafting passes that do not
+    share the batch as the verifier's do); this is the measured outcome."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+    steps: float = 0.0  # sequence-steps
+
+    def observe(self, seconds: float, tokens: int, decay: float) -> None:
+        self.seconds, self.tokens = decay * self.seconds + seconds, decay * self.tokens + tokens
+        self.steps = decay * self.steps + 1.0
+
+    def per_token(self) -> float | None:
+        return self.seconds / self.tokens if self.tokens > 0 else None
+
+
+@dataclass
 class Probes:
     """Escalation's probing, shared by the regimes: rounds (``warmup`` at the start, then one
     every ``interval`` steps, backing off while rounds leave the choice as it was), a new
@@ -230,8 +255,10 @@ class Probes:
                 self.requests.add(probed)
             self.plans -= 1  # a retry does not use up the warm-up
 
-    def take(self, prices: dict) -> Path | None:
-        """The next probe, if any; after a round's last, prices afresh and judges the round."""
+    def take(self, prices: dict, candidates: list[Path]) -> Path | None:
+        """The next probe, if any; after a round's last, prices afresh and judges the round.
+        Probes queued while other levels were up and now through a level that is down go."""
+        self.queue = [path for path in self.queue if path in candidates]
         if not self.queue:
             return None
         path = self.queue.pop()
@@ -384,6 +411,9 @@ class EscalationPolicy(CostAwarePolicy):
         self._last_step: int | None = None  # the step of the last plan: a drop means a new request
         self._all_paths: dict[frozenset[str], list[Path]] = {}
         self._stand_in: tuple[str, int] | None = None  # the last exploit's stand-in for prompt lookup
+        self.realized: dict[tuple, Realized] = {}  # (regime, batch bucket, path chosen) -> measured cost
+        self._planned: tuple[StepPlan, Path, int] | None = None  # the last plan, its path chosen, batch size
+        self._catching_up = False  # whether a call of the last plan's step fed positions it did not score
 
     def _shapes(self, ctx: PlanContext, path: Path) -> list[tuple[int, ...] | None]:
         """The first edge's choices on ``path``: a chain (None), or a tree of each shape where
@@ -440,7 +470,7 @@ class EscalationPolicy(CostAwarePolicy):
         if not probes.queue and (probes.plans <= p.warmup * len(candidates) or probes.since >= probes.interval):
             probes.since = 0.0
             probes.queue = self._probe_round(priced)
-        return probes.take(regime.prices)
+        return probes.take(regime.prices, candidates)
 
     def _exploit(self, ctx: PlanContext, regime: Regime, priced: dict, max_lookahead: int) -> Choice:
         """The path priced cheapest (a drafting one by ``draft_margin``), kept unless another is
@@ -451,10 +481,31 @@ class EscalationPolicy(CostAwarePolicy):
         current = regime.current.get(ctx.available)
         if current in score and score[path] > (1 - p.switch_margin) * score[current]:
             path = current
+        path = self._paying(ctx, path, priced)
         regime.current[ctx.available] = path
         self.probes.back_off(path != current, p.probe_every, p.probe_every * p.probe_backoff)
         self._stand_in = self._stand_in_for(ctx, path, priced, max_lookahead)
         return path, priced[path][1], Step.EXPLOIT, priced[path][2]
+
+    def _paying(self, ctx: PlanContext, path: Path, priced: dict) -> Path:
+        """``path``, unless it drafts and its steps, measured at this batch size (after
+        ``realized_after`` sequence-steps), cost more per committed token than the authority
+        alone does (measured, or priced): then the authority alone. A price is a model and can
+        miss a cost; the outcome decides between drafting and not (only that: measured paths
+        against priced ones would flee whatever was measured last)."""
+        alone = (ctx.authority,)
+        measured = self._realized(ctx, path)
+        if len(path) < 2 or alone not in priced or measured is None:
+            return path
+        return alone if measured > (self._realized(ctx, alone) or priced[alone][0]) else path
+
+    def _realized(self, ctx: PlanContext, path: Path) -> float | None:
+        """Seconds per committed token ``path``'s steps measured at this batch size, if measured
+        over ``realized_after`` sequence-steps at least."""
+        realized = self.realized.get((self.regime, batch_bucket(ctx.batch_size), path))
+        if realized is None or not self.params.realized_after or realized.steps < self.params.realized_after:
+            return None
+        return realized.per_token()
 
     def _probe(self, ctx: PlanContext, path: Path, priced: dict, max_lookahead: int) -> Choice:
         """A probe of ``path``: its chain and its trees in turn, every edge of it measured."""
@@ -564,10 +615,23 @@ class EscalationPolicy(CostAwarePolicy):
             k, rule = self._block(ctx, plan.path[:2], plan.lookahead[first])
             if rule is not None:
                 plan = StepPlan(plan.path, {**plan.lookahead, first: k}, {first: rule})
-        return self._with_stand_in(ctx, plan, kind)
+        plan = self._with_stand_in(ctx, plan, kind)
+        self._planned, self._catching_up = (plan, path, ctx.batch_size), False
+        return plan
+
+    def observe_pass(self, cost: PassCost) -> None:
+        super().observe_pass(cost)
+        # A level catching up (a prompt, a request joining, tokens it skipped) pays once what
+        # its steps then do not: such a step does not say what the path costs.
+        self._catching_up = self._catching_up or cost.catch_up > LevelCost.catch_up_positions
 
     def observe(self, feedback: StepFeedback) -> None:
         super().observe(feedback)
+        if self._planned is not None and feedback.plan is self._planned[0] and not self._catching_up:
+            _, path, batch = self._planned
+            key = (self.regime, batch_bucket(batch), path)
+            self.realized.setdefault(key, Realized()).observe(
+                sum(feedback.level_seconds.values()), feedback.committed, self.params.realized_decay)
         probes, proposed = self.probes, any(e.proposed > 0 for e in feedback.edges)
         if probes.last is not None and not probes.drafted and feedback.plan.path == probes.last:
             probes.drafted = proposed

@@ -9,7 +9,7 @@ from policies import PolicyError, make_policy, parse_policy_spec
 from policies.adaptive import (
     AutoPolicy, ConfidencePolicy, CostAwarePolicy, EntropyPolicy, EscalationPolicy, Regime,
 )
-from policies.base import DraftStep, EdgeOutcome, PlanContext, StepFeedback, StepPlan, draft_step
+from policies.base import DraftStep, EdgeOutcome, PassCost, PlanContext, StepFeedback, StepPlan, draft_step
 from policies.estimates import (BINS, Calibration, EdgeAcceptance, Estimates, LevelCost, TreeAcceptance, confidence_bin,
                                 tree_passes)
 from policies.fixed import FixedPolicy
@@ -819,3 +819,39 @@ def test_a_stand_in_that_beats_the_authority_by_less_than_the_draft_margin_still
     teach(policy, ("tiny", "large"), [("tiny", "large", 4, 1)], seconds, rounds=12)
     teach(policy, ("tiny", "large"), [("tiny", "large", 4, 0)], seconds, rounds=48)
     assert policy.plan(ctx(alone_graph)).path == ("large",)
+
+
+def test_drafting_that_measures_dearer_than_the_authority_alone_gives_way_to_it():
+    """The price is a model; what a drafting path's steps cost per committed token, measured at the
+    batch size (after ``realized_after`` sequence-steps, steps in which a level caught up left
+    out), decides between it and the authority alone."""
+    graph = nx.DiGraph([("tiny", "large")])
+
+    def run(realized_after, step_seconds, catch_up=0):
+        policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9, realized_after=realized_after),
+                       graph)
+        est = policy.estimates
+        for level, seconds in (("tiny", 0.0), ("large", 0.010)):  # priced: tiny free, large flat in width
+            for width in (1, 2, 3):
+                for _ in range(10):
+                    est.costs.setdefault(level, LevelCost()).observe_pass(1, width, seconds, rows=1)
+        edge = est.edge("tiny", "large")
+        edge.prior, edge.prior_weight = 0.5, 1e9  # priced a third cheaper than the authority alone
+        c = PlanContext(graph, "large", 100, 0, frozenset(graph.nodes))
+        paths = []
+        for _ in range(40):
+            plan = policy.plan(c)
+            paths.append(plan.path)
+            policy.observe_pass(PassCost("large", 1, 1, 2, 0.010, catch_up=catch_up))
+            drafting = len(plan.path) > 1
+            # each step commits one token (the drafts are never accepted): a drafting one in
+            # step_seconds, the authority's alone in its pass's 10 ms
+            policy.observe(StepFeedback(plan, (EdgeOutcome("tiny", "large", 1, 0),) if drafting else (),
+                                        {"large": step_seconds if drafting else 0.010}, {"large": 1}, 1))
+        return paths
+
+    dear = run(16, 0.030)  # each drafting step really costs 30 ms a token: 3x the authority alone
+    assert all(p == ("tiny", "large") for p in dear[:16]) and all(p == ("large",) for p in dear[20:])
+    assert all(p == ("tiny", "large") for p in run(0, 0.030))  # off: the price alone decides
+    assert all(p == ("tiny", "large") for p in run(16, 0.008))  # measured cheaper than alone: kept
+    assert all(p == ("tiny", "large") for p in run(16, 0.030, catch_up=100))  # catching up: not counted

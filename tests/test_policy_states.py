@@ -99,8 +99,14 @@ def feedback(rng, plan: StepPlan, c: PlanContext, request: dict) -> tuple[StepFe
         widths[level] = (e.candidates or e.proposed) + 1
     widths.setdefault(path[-1], 1)
     first = edges[0].confidence if edges else None
-    return StepFeedback(plan, tuple(edges), {n: seconds(n, c.batch_size, w) for n, w in widths.items()},
-                        {n: 1 for n in widths}, 1 + (edges[-1].accepted if edges else 0),
+    # as the engine reports them: the first level's passes (one per drafted token or tree depth),
+    # and each level's time as this sequence's share of the batch's passes
+    passes = {n: 1 for n in widths}
+    if edges:
+        passes[proposer] = max(1, len(plan.tree.get(proposer, ())) or edges[0].proposed)
+    b = c.batch_size
+    return StepFeedback(plan, tuple(edges), {n: seconds(n, b, w) * passes[n] / b for n, w in widths.items()},
+                        passes, 1 + (edges[-1].accepted if edges else 0),
                         sum(first) / len(first) if first else None, sampled=c.sampled), widths
 
 
