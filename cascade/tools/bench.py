@@ -15,10 +15,13 @@ in a warning (:mod:`cascade.tools.timing`). Configurations:
 6. ``cascade:3level`` / ``cascade:4level`` (with and without the n-gram level), ``fixed`` and ``auto``:
    those levels, with the chain's edges and every edge of the topology between them (its
    shortcuts), so ``auto`` chooses among the same paths as on the topology itself; ``fixed``
-   drafts along the whole chain.
+   drafts along the whole chain;
+7. ``llama.cpp``: llama.cpp decoding the authority's GGUF with cascade's warping, where
+   llama-cpp-python is installed (:mod:`cascade.tools.llamacpp`; timed, not checked for exactness).
 
-``plain`` and ``cascade:authority`` run whatever ``--only`` says: every configuration's speedup is
-given over both, the second being what drafting itself bought beside the authority's own forward.
+``plain``, ``cascade:authority`` and ``llama.cpp`` run whatever ``--only`` says: every
+configuration's speedup is given over the first two, the second being what drafting itself bought
+beside the authority's own forward.
 A configuration that cannot apply to the topology's levels (transformers' assisted generation
 with a drafter over another vocabulary, a tree from a level that drafts none) is left out before
 anything runs, with a line saying why. Every level runs in this process, whatever the topology's
@@ -57,6 +60,7 @@ from cascade.tools.bench_predict import cascade_fields, main_path, predicted_sec
 from cascade.tools.bench_records import ConfigReport, Sample, mode_label
 from cascade.tools.bench_report import write_report
 from cascade.tools.exactness import DistributionCheck
+from cascade.tools.llamacpp import NAME as LLAMA_CPP, baseline as llama_cpp_baseline
 from cascade.tools.timing import COUPLING, DEFAULT_THREADS, machine, torch_threads
 from cascade.repetition import LOOP_THRESHOLD, NGRAM, repetition
 
@@ -64,7 +68,7 @@ from cascade.repetition import LOOP_THRESHOLD, NGRAM, repetition
 @dataclass
 class Config:
     name: str
-    kind: str  # "plain", "hf", "cascade"
+    kind: str  # "plain", "hf", "cascade", "llama.cpp"
     path: tuple[str, ...] = ()
     policy: str = ""
     # (prompt ids, max new tokens, sampling, seed) -> (new ids, seconds, cascade's RequestStats)
@@ -312,8 +316,13 @@ def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, o
         # plain and cascade:authority always run: every speedup is over plain decoding and over
         # the authority alone, measured in the same run
         configs = [c for c in configs if c.name in ALWAYS or any(o in c.name for o in only)]
-    for note in left_out:
-        print(f"cascade bench: left out {note}", file=sys.stderr)
+    # llama.cpp on the authority's GGUF: a baseline, run whatever --only says (cascade.tools.llamacpp)
+    llama, note = llama_cpp_baseline(topo, threads)
+    if llama is not None:
+        configs.append(Config(LLAMA_CPP, LLAMA_CPP, (topo.authority,), run=llama.runner(tokenizer.eos_token_id)))
+    llama_lines = [llama.describe(s) for s in samplings] if llama is not None else [note]
+    for line in [f"left out {why}" for why in left_out] + ([] if llama else llama_lines):
+        print(f"cascade bench: {line}", file=sys.stderr)
     ids = [tokenizer.encode(p) for p in prompts]
     checks: dict[tuple[str, str], DistributionCheck] = {}
     try:
@@ -330,6 +339,8 @@ def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, o
     finally:
         for w in workers.values():
             w.close()
+        if llama is not None:
+            llama.close()
     reports = [r for sampling in samplings
                for r in summarize(configs, samples, len(ids), mode_label(sampling), repeats)]
     for r in reports:
@@ -340,7 +351,8 @@ def _run_bench(topology, prompts, max_new_tokens, repeats, out, prompt_lookup, o
             topology=topology, prompts=len(prompts), max_new_tokens=max_new_tokens, repeats=repeats,
             prompt_lookup=prompt_lookup, seed=seed, modes=[mode_label(s) for s in samplings],
             samplings=[s.model_dump() for s in samplings], exactness_draws=exactness_draws,
-            exactness_tokens=exactness_tokens, threads=threads, machine=machine(), left_out=left_out))
+            exactness_tokens=exactness_tokens, threads=threads, machine=machine(), left_out=left_out,
+            llama_cpp=llama_lines))
     return reports, samples
 
 
@@ -355,7 +367,7 @@ def _greedy_divergences(samples: list[Sample], ids: list[list[int]], model, eos)
     found: dict[tuple[str, int], list] = {}
     for s in greedy:
         ref = plain.get((s.prompt, s.repeat))
-        if s.config != "plain" and ref is not None and s.token_ids != ref:
+        if s.config not in ("plain", LLAMA_CPP) and ref is not None and s.token_ids != ref:
             found.setdefault((s.config, s.prompt), []).append(
                 greedy_divergence(model, ids[s.prompt], s.token_ids, ref, eos))
     return found
@@ -483,7 +495,9 @@ def summarize(configs: list[Config], samples: list[Sample], n_prompts: int, mode
                                for r in range(repeats)],
             tokens_per_second_by_repeat=[rate([s for s in xs if s.repeat == r]) for r in range(repeats)],
         )
-        if mode == "greedy":  # under sampling the random streams differ: checked by distribution instead
+        # under sampling the random streams differ: checked by distribution instead; llama.cpp is
+        # another program, timed and not checked (cascade.tools.llamacpp)
+        if mode == "greedy" and c.kind != LLAMA_CPP:
             rep.mismatches = sorted({s.prompt for s in xs if s.token_ids != plain_ids[(s.prompt, s.repeat)]})
         if c.kind == "cascade":
             cascade_fields(rep, c.graph, c.path, xs, plain_spt)

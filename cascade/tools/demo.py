@@ -6,7 +6,10 @@ decoding's token for token, and sampled decoding (T = 0.8, top-p 0.95 unless tol
 how most people sample. Small models loop under greedy decoding, and a loop is what every draft
 predicts best, so each kind's speedup is shown with how repetitive its text was. Beside the
 speedup over plain decoding, the speedup over the authority alone in cascade (its own forward,
-no drafting; ``cascade bench``'s ``cascade:authority``): what drafting itself bought.
+no drafting; ``cascade bench``'s ``cascade:authority``): what drafting itself bought. Where
+llama-cpp-python is installed and the authority came from a GGUF, llama.cpp decoding that file
+with the same warping runs beside them as a fourth side (:mod:`cascade.tools.llamacpp`); else one
+line says why not.
 
 Timing: torch's threads are set (one unless ``--threads`` says otherwise) and printed; the
 cascade, the authority alone and plain decoding run interleaved, each prompt's three in a
@@ -83,6 +86,7 @@ class Mode:
     cascade_time: list[list[float]] = field(default_factory=list)  # per repeat: [tokens, seconds]
     plain_time: list[list[float]] = field(default_factory=list)
     alone_time: list[list[float]] = field(default_factory=list)  # the authority alone in cascade
+    llama_time: list[list[float]] = field(default_factory=list)  # llama.cpp on the GGUF, where it runs
     mismatches: set[int] = field(default_factory=set)
     divergences: dict = field(default_factory=dict)  # prompt -> exactness.Divergence (greedy)
     cascade_ids: list[list[int]] = field(default_factory=list)
@@ -92,6 +96,7 @@ class Mode:
         self.cascade_time = [[0, 0.0] for _ in range(self.repeats)]
         self.plain_time = [[0, 0.0] for _ in range(self.repeats)]
         self.alone_time = [[0, 0.0] for _ in range(self.repeats)]
+        self.llama_time = [[0, 0.0] for _ in range(self.repeats)]
 
     def spreads(self) -> dict[str, Spread]:
         """Per repeat, over all prompts: each side's tokens/s, the speedup (cascade over plain), the
@@ -103,9 +108,12 @@ class Mode:
             return Spread.of(x / y if y else 0.0 for x, y in zip(xs, ys))
 
         plain, cascade, alone = rates(self.plain_time), rates(self.cascade_time), rates(self.alone_time)
+        llama = rates(self.llama_time)  # all 0 where llama.cpp did not run
         return {"plain tok/s": Spread.of(plain), "cascade tok/s": Spread.of(cascade),
                 "authority alone tok/s": Spread.of(alone), "speedup": ratio(cascade, plain),
-                "authority alone speedup": ratio(alone, plain), "drafting speedup": ratio(cascade, alone)}
+                "authority alone speedup": ratio(alone, plain), "drafting speedup": ratio(cascade, alone),
+                "llama.cpp tok/s": Spread.of(llama), "llama.cpp speedup": ratio(llama, plain),
+                "over llama.cpp": ratio(cascade, llama)}
 
 
 @guarded
@@ -115,6 +123,7 @@ def run(args) -> int:
     from cascade.stats import RequestStats
     from cascade.tools.baselines import as_loaded, authority_alone, load_prompts, plain_generate
     from cascade.tools.bench_records import mode_label
+    from cascade.tools.llamacpp import baseline
 
     args.topology = args.topology or main_topology(lambda line: print(line, file=sys.stderr))
     real = Path(args.topology).resolve() == Path(REAL_TOPOLOGY).resolve()
@@ -135,6 +144,8 @@ def run(args) -> int:
         print(ABOUT_THE_REAL_MODEL if real else ABOUT_THE_MODELS)
         print(threads_line(threads))
         print(machine_line(machine()))
+        llama, note = baseline(c.topology, threads)
+        print(note or llama.describe(sampled))
         # Warm-up: first calls pay for allocation and lazy initialisation, and an adaptive
         # policy measures the levels and paths (on a prompt from the end of the file, which the
         # timed runs use only if the file is short).
@@ -142,14 +153,20 @@ def run(args) -> int:
         c.generate(warm, max_new_tokens=64, temperature=0.0)
         alone.generate(warm, max_new_tokens=8, temperature=0.0)
         plain_generate(model, c.tokenizer.encode(warm), 8)
+        if llama is not None:
+            llama.generate(c.tokenizer.encode(warm), 8, Sampling(), 0, c.tokenizer.eos_token_id)
         kinds = [Sampling()] + ([sampled] if not sampled.greedy else [])
         modes = [Mode(mode_label(s), s, RequestStats(c.topology.authority), args.repeats) for s in kinds]
         # Repeat by repeat, both kinds in each: a busy spell hits one repeat, which the median discounts.
-        for r in range(args.repeats):
-            for mode in modes:
-                _decode(c, alone, model, prompts, mode, r, args)
+        try:
+            for r in range(args.repeats):
+                for mode in modes:
+                    _decode(c, alone, model, llama, prompts, mode, r, args)
+        finally:
+            if llama is not None:
+                llama.close()
     for mode in modes:
-        _table(mode, c.topology.authority, c.topology.spec.policy.name)
+        _table(mode, c.topology.authority, c.topology.spec.policy.name, llama is not None)
     _headline(modes)
     greedy = modes[0]
     real = [i for i in sorted(greedy.mismatches) if not greedy.divergences[i].near_tie]
@@ -172,11 +189,11 @@ def run(args) -> int:
     return 0
 
 
-def _decode(c, alone, model, prompts: list[str], mode: Mode, repeat: int, args) -> None:
-    """One repeat of every prompt through the cascade, the authority alone (``alone``) and plain
-    decoding, rotating which runs first (by prompt and by repeat) so that drift in machine load
-    hits all three alike; prompt ``i`` sampled with seed ``args.seed + i`` in every repeat, so the
-    repeats time the same work."""
+def _decode(c, alone, model, llama, prompts: list[str], mode: Mode, repeat: int, args) -> None:
+    """One repeat of every prompt through the cascade, the authority alone (``alone``), plain
+    decoding and llama.cpp (``llama``, where it runs), rotating which runs first (by prompt and by
+    repeat) so that drift in machine load hits all sides alike; prompt ``i`` sampled with seed
+    ``args.seed + i`` in every repeat, so the repeats time the same work."""
     from cascade.tools.baselines import plain_generate
     from cascade.tools.exactness import greedy_divergence
 
@@ -192,9 +209,15 @@ def _decode(c, alone, model, prompts: list[str], mode: Mode, repeat: int, args) 
         done = {}
         sides = {"plain": lambda: plain_generate(model, ids, args.max_new_tokens, sampling, seed),
                  "cascade": lambda: run(c), "alone": lambda: run(alone)}
+        if llama is not None:
+            eos = c.tokenizer.eos_token_id
+            sides["llama.cpp"] = lambda: llama.generate(ids, args.max_new_tokens, sampling, seed, eos)
         order = list(sides)
-        for name in order[(i + repeat) % 3:] + order[:(i + repeat) % 3]:
+        first = (i + repeat) % len(order)
+        for name in order[first:] + order[:first]:
             done[name] = sides[name]()
+        if llama is not None:
+            _add(mode.llama_time[repeat], len(done["llama.cpp"][0]), done["llama.cpp"][1])
         (ref, secs), g, a = done["plain"], done["cascade"], done["alone"]
         _add(mode.plain_time[repeat], len(ref), secs)
         _add(mode.cascade_time[repeat], len(g.token_ids), g.stats.wall_seconds)
@@ -226,7 +249,7 @@ def _add(total: list[float], tokens: int, seconds: float) -> None:
     total[1] += seconds
 
 
-def _table(mode: Mode, authority: str, policy: str) -> None:
+def _table(mode: Mode, authority: str, policy: str, llama: bool) -> None:
     from cascade.repetition import repetition
 
     spreads = mode.spreads()
@@ -243,6 +266,9 @@ def _table(mode: Mode, authority: str, policy: str) -> None:
     print(f"{'cascade (' + policy + ' policy)':<28}{spreads['cascade tok/s'].format('.1f'):>20}"
           f"{spreads['speedup'].format(unit='x'):>20}{spreads['drafting speedup'].format(unit='x'):>20}"
           f"{rep(mode.cascade_ids):>12.2f}")
+    if llama:  # another program on the same GGUF: timed, its text not compared (cascade.tools.llamacpp)
+        print(f"{'llama.cpp (same GGUF)':<28}{spreads['llama.cpp tok/s'].format('.1f'):>20}"
+              f"{spreads['llama.cpp speedup'].format(unit='x'):>20}")
     print(f"(tokens/s and speedups: median over {mode.repeats} interleaved repeat(s), min–max in brackets; speedup: "
           "over plain decoding; vs authority alone: over cascade with the authority alone, its own forward with no "
           "drafting, timed in the same run: what drafting bought; repetition: median share of generated tokens that "
@@ -260,6 +286,9 @@ def _headline(modes: list[Mode]) -> None:
     print(f"\nspeedup over plain decoding, median of {n} repeat(s){' (min–max)' if n > 1 else ''}: {figures}")
     drafting = "; ".join(f"{m.label}: {m.spreads()['drafting speedup'].format(unit='x')}" for m in modes)
     print(f"of which drafting (over cascade with the authority alone, in the same run): {drafting}")
+    if modes[0].llama_time[0][0]:
+        versus = "; ".join(f"{m.label}: {m.spreads()['over llama.cpp'].format(unit='x')}" for m in modes)
+        print(f"cascade over llama.cpp decoding the same GGUF (same warping, same run): {versus}")
     spreads = {f"{m.label} {name}": s for m in modes for name, s in m.spreads().items()
                if name in ("plain tok/s", "speedup")}
     warning = busy_warning(spreads)
