@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from workers.base import common_prefix, host_logits
-from workers.trees import Pending, accepted_path, depths, window_mask
+from workers.trees import Pending, accepted_path, window_mask
+from workers.trees import positions as node_offsets  # a tree node's position after its prefix
 
 # A worker's forward pass: (input_ids, position_ids, cache layers, valid [rows, columns], keep,
 # among [rows, width, width]: a tree's mask over the new columns, or None) -> logits
@@ -233,7 +234,7 @@ class SeqCaches(KVCache):
         nodes, parents = tree if tree else ([], [])
         past, t, dev = len(entry.tokens), len(fresh), self.device
         new = torch.tensor([fresh + list(nodes)], dtype=torch.long, device=dev)
-        positions = torch.tensor([list(range(past, past + t)) + [past + t + d for d in depths(parents)]], device=dev)
+        positions = past + torch.tensor([list(range(t)) + [t + d for d in node_offsets(parents)]], device=dev)
         among = window_mask(t + len(nodes), t, parents)[None].to(dev) if nodes else None
         logits = self.forward(new, positions, entry.cache, None, num_positions + len(nodes), among)[0]
         if self.features is not None:
@@ -259,12 +260,12 @@ class SeqCaches(KVCache):
             mask[b, longest - past:longest + len(new)] = 1
             input_ids[b, :len(new)] = torch.tensor(new, dtype=torch.long)
         positions = torch.tensor(pasts, device=dev).unsqueeze(1) + torch.arange(width, device=dev)
-        if trees:  # nodes at their depths' positions; each sees the prefix and its ancestors
+        if trees:  # nodes at their own positions (workers.trees.positions); each sees the prefix and its ancestors
             among = torch.zeros(batch, width, width, dtype=torch.bool)
             for b, ((_, fresh), (tokens, parents)) in enumerate(zip(rows, trees)):
                 t = len(fresh)
                 among[b] = window_mask(width, t, parents)
-                positions[b, t:t + len(tokens)] = pasts[b] + t + torch.tensor(depths(parents), device=dev)
+                positions[b, t:t + len(tokens)] = pasts[b] + t + torch.tensor(node_offsets(parents), device=dev)
             mask = self.tree_attention(mask.bool(), among.to(dev), longest + width)
         cache = self._padded([entry for entry, _ in rows], pasts)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,

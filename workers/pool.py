@@ -29,7 +29,8 @@ import torch
 
 from workers.base import common_prefix, host_logits
 from workers.kvcache import Forward, KVCache, Trees, buffer_layer, move_columns, num_layers, settled_path
-from workers.trees import Pending, depths, window_mask
+from workers.trees import Pending, window_mask
+from workers.trees import positions as node_offsets  # a tree node's position after its prefix
 
 
 class Pool(KVCache):
@@ -338,7 +339,7 @@ class Pool(KVCache):
                  trees=None):
         """One forward pass feeding ``news[i]`` to row ``rows[i]``; logits of each one's last
         ``num_positions[i]`` positions. With ``trees``, ``news[i]`` ends with the nodes of
-        ``trees[i]`` (tokens, parents), which get their depths' positions, a tree mask among the
+        ``trees[i]`` (tokens, parents), which get their own positions, a tree mask among the
         new columns, and stay pending (:meth:`_settle`)."""
         dev = self.device
         width = max(len(new) for new in news)
@@ -363,7 +364,7 @@ class Pool(KVCache):
                 if nodes:
                     n, i = len(nodes), slot[r]
                     among[i] = window_mask(width, width - n, parents)
-                    positions[i, width - n:] = len(self.tokens[r]) + len(new) - n + torch.tensor(depths(parents))
+                    positions[i, width - n:] = len(self.tokens[r]) + len(new) - n + torch.tensor(node_offsets(parents))
             if self.context_length:
                 positions.clamp_(max=self.context_length - 1)
             among = among.to(dev)
