@@ -441,17 +441,15 @@ class Engine:
         scored. Past them the head feeds its own predictions. A pass the level runs for this is
         priced to it."""
         head = self.workers[level]
-        source = getattr(head, "features_of", None)
+        source = head.features_of
         if source is None:
             return
-        from workers.head import hand_features
-
         seen = [common_prefix(s.state.level_tokens.get(source, []), s.prefix) for s in seqs]
         # features of positions < end: the level holds those of the tokens it was fed
         ends = [max(len(s.state.request.prompt_ids) + len(s.state.generated) - 1, min(n, len(s.prefix) - 1))
                 for s, n in zip(seqs, seen)]
         t0 = time.perf_counter()
-        hand_features(head, self.workers[source], [s.state.seq_id for s in seqs], [s.prefix for s in seqs], ends)
+        head.hand_off(self.workers[source], [s.state.seq_id for s in seqs], [s.prefix for s in seqs], ends)
         seconds = time.perf_counter() - t0
         computed = [a for a, (n, end) in enumerate(zip(seen, ends)) if n < end]
         if computed:  # the level has not seen these positions: it computes them now

@@ -75,6 +75,16 @@ class Worker(abc.ABC):
     draft_columns: torch.Tensor | None = None
     # whether :meth:`draft_tree` works here (the generic one scores nodes with :meth:`score`)
     drafts_trees: bool = True
+    # a feature head: the level whose features it drafts from, handed over by :meth:`hand_off`
+    features_of: str | None = None
+
+    def hand_off(self, source: "Worker", seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
+                 ends: Sequence[int]) -> list[int]:
+        """A feature head takes from ``source`` (the worker of its ``features_of`` level) the
+        features of each sequence ``token_ids[b]`` it lacks, up to position ``ends[b] - 1``; the
+        indices of the sequences the source was asked for them (it computes positions it has not
+        seen). Only feature heads implement it (:class:`workers.head.HeadWorker`)."""
+        raise NotImplementedError(f"{type(self).__name__} reads no level's features")
 
     @abc.abstractmethod
     def score(

@@ -220,7 +220,7 @@ class LevelActor:
         if seqs is None:
             return None
         head = self._worker(level)
-        if getattr(head, "features_of", None) != self.build.level.name:
+        if head.features_of != self.build.level.name:
             raise ValueError(f"hand_features: {level!r} is not a head reading {self.build.level.name!r}")
         return [int(b) for b in head.hand_off(self.worker, seq_ids, seqs, ends)]
 
