@@ -39,10 +39,6 @@ def positions(parents: Sequence[int]) -> list[int]:
     return [d - 1 for d in cascade_tree.depths(parents)]
 
 
-# The old name the cache code (workers/pool.py, workers/kvcache.py) still imports; it goes once
-# they import positions (not a depth: cascade/tree.py's depth is one more).
-depths = positions
-
 
 def ancestry(parents: Sequence[int]) -> torch.Tensor:
     """``[n, n]`` bool: ``[i, j]`` is True where node ``j`` is node ``i`` or one of its ancestors."""
