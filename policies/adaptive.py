@@ -89,7 +89,8 @@ class EscalationParams(CostParams):
     reprice_every: Positive = Field(8, description="Plans one pricing of the paths serves (a probe round reprices).")
     realized_after: Weight = Field(
         16.0, description="Sequence-steps of a drafting path measured at a batch size after which, if its measured "
-        "seconds per committed token exceed the authority alone's, the authority decodes alone (0: never).")
+        "seconds per committed token are not draft_margin below the authority alone's, the authority decodes alone "
+        "(0: never).")
     realized_decay: Unit = Field(0.99, description="Per sequence-step decay of the measured seconds per token.")
 
 
@@ -412,7 +413,7 @@ class EscalationPolicy(CostAwarePolicy):
         self._all_paths: dict[frozenset[str], list[Path]] = {}
         self._stand_in: tuple[str, int] | None = None  # the last exploit's stand-in for prompt lookup
         self.realized: dict[tuple, Realized] = {}  # (regime, batch bucket, path chosen) -> measured cost
-        self._planned: tuple[StepPlan, Path, int] | None = None  # the last plan, its path chosen, batch size
+        self._planned: tuple[StepPlan, Path, int, Step] | None = None  # the last plan, its path, batch size, kind
         self._catching_up = False  # whether a call of the last plan's step fed positions it did not score
 
     def _shapes(self, ctx: PlanContext, path: Path) -> list[tuple[int, ...] | None]:
@@ -489,15 +490,16 @@ class EscalationPolicy(CostAwarePolicy):
 
     def _paying(self, ctx: PlanContext, path: Path, priced: dict) -> Path:
         """``path``, unless it drafts and its steps, measured at this batch size (after
-        ``realized_after`` sequence-steps), cost more per committed token than the authority
-        alone does (measured, or priced): then the authority alone. A price is a model and can
+        ``realized_after`` sequence-steps), are not ``draft_margin`` cheaper per committed token
+        than the authority alone's (measured, or priced): then the authority alone. A price is a model and can
         miss a cost; the outcome decides between drafting and not (only that: measured paths
         against priced ones would flee whatever was measured last)."""
         alone = (ctx.authority,)
         measured = self._realized(ctx, path)
         if len(path) < 2 or alone not in priced or measured is None:
             return path
-        return alone if measured > (self._realized(ctx, alone) or priced[alone][0]) else path
+        return alone if measured * (1 + self.params.draft_margin) > (self._realized(ctx, alone) or priced[alone][0]) \
+            else path
 
     def _realized(self, ctx: PlanContext, path: Path) -> float | None:
         """Seconds per committed token ``path``'s steps measured at this batch size, if measured
@@ -616,7 +618,7 @@ class EscalationPolicy(CostAwarePolicy):
             if rule is not None:
                 plan = StepPlan(plan.path, {**plan.lookahead, first: k}, {first: rule})
         plan = self._with_stand_in(ctx, plan, kind)
-        self._planned, self._catching_up = (plan, path, ctx.batch_size), False
+        self._planned, self._catching_up = (plan, path, ctx.batch_size, kind), False
         return plan
 
     def observe_pass(self, cost: PassCost) -> None:
@@ -627,12 +629,15 @@ class EscalationPolicy(CostAwarePolicy):
 
     def observe(self, feedback: StepFeedback) -> None:
         super().observe(feedback)
-        if self._planned is not None and feedback.plan is self._planned[0] and not self._catching_up:
-            _, path, batch = self._planned
+        probes, proposed = self.probes, any(e.proposed > 0 for e in feedback.edges)
+        # A probe that proposed nothing (prompt lookup without a match) was the authority alone:
+        # it says nothing of what its path costs when chosen.
+        if self._planned is not None and feedback.plan is self._planned[0] and not self._catching_up \
+                and (proposed or self._planned[3] != Step.PROBE):
+            _, path, batch, _ = self._planned
             key = (self.regime, batch_bucket(batch), path)
             self.realized.setdefault(key, Realized()).observe(
                 sum(feedback.level_seconds.values()), feedback.committed, self.params.realized_decay)
-        probes, proposed = self.probes, any(e.proposed > 0 for e in feedback.edges)
         if probes.last is not None and not probes.drafted and feedback.plan.path == probes.last:
             probes.drafted = proposed
         if probes.by_request and proposed:
