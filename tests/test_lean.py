@@ -172,7 +172,7 @@ def test_several_row_passes_through_prepacked_weights_keep_float32_products(with
     module = torch.nn.Linear(576, 1024, bias=True)  # 589,824 elements: packed
     assert module.weight.numel() >= PACK_MIN_ELEMENTS
     before = module.weight.detach().clone()
-    product = _linear_op(module, pack=True)
+    product = _linear_op([module], pack=True)
     assert module.weight.stride() == (1, 1024) and torch.equal(module.weight, before)  # column-major, same values
     assert isinstance(module.weight, torch.nn.Parameter)
     for rows in (1, 2, 3, 4, 8, 17):
@@ -181,11 +181,11 @@ def test_several_row_passes_through_prepacked_weights_keep_float32_products(with
             got, want = product(x), F.linear(x, before, module.bias)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    _linear_op(module, pack=True)
+    _linear_op([module], pack=True)
     assert module.weight.stride() == (1, 1024)  # built again (a forward with a capture): left as it is
     small = torch.nn.Linear(64, 64)
     x = torch.randn(4, 64)
-    assert torch.equal(_linear_op(small, pack=True)(x), F.linear(x, small.weight, small.bias))  # not packed
+    assert torch.equal(_linear_op([small], pack=True)(x), F.linear(x, small.weight, small.bias))  # not packed
 
     model = llama(hidden_size=256, intermediate_size=2304, vocab_size=97).to(torch.float32)
     assert _packable(model) and not _packable(model.to(torch.float64))
@@ -221,7 +221,7 @@ def test_bfloat16_products_come_from_prepacked_copies():
         pytest.skip("oneDNN computes no bfloat16 here")
     for module in (small, torch.nn.Linear(576, 1024, bias=False).to(torch.bfloat16)):
         before = module.weight.detach().clone()
-        products = [_linear_op(module, pack=True), own_product(module.weight, module.bias)]
+        products = [_linear_op([module], pack=True), own_product(module.weight, module.bias)]
         assert torch.equal(module.weight, before) and module.weight.is_contiguous()  # left as it is
         for rows in (1, 2, 3, 8, 17):
             x = torch.randn(2, rows, module.in_features).to(torch.bfloat16)

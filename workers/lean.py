@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from workers.kernels.products import linear_product, packable
+from workers.kernels.products import linear_product, packable, side_by_side
 
 Forward = Callable[..., torch.Tensor]
 
@@ -91,13 +91,19 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     repeat_kv, rotate_half = arch.repeat_kv, arch.rotate_half
     if pack is None:
         pack = _packable(model)
-    linear = lambda module: _linear_op(module, pack)  # noqa: E731
+    # Products that read the same input (a layer's query, key and value projections; its gate
+    # and up projections) run as one over their weights side by side, where the weights are
+    # copied for the kernel anyway (prepacked bfloat16, quantized groups): each output column is
+    # the same sum as alone, and one call costs less than three (docs/engine.md, "Batches underneath").
+    joined = quantized is not None or (pack and model.dtype == torch.bfloat16)
+    linear = lambda *modules: _linear_op(modules, pack)  # noqa: E731
     if quantized is not None:
         if batch_invariant:
             raise ValueError("batch_invariant: not with quantized products (workers/quant.py)")
-        linear = lambda module, plain=linear: quantized(module, plain(module))  # noqa: E731
+        linear = lambda *modules, plain=linear: quantized(modules, plain(*modules))  # noqa: E731
     if batch_invariant:
-        linear = lambda module, plain=linear: _two_rows_at_least(plain(module))  # noqa: E731
+        linear = lambda *modules, plain=linear: _two_rows_at_least(plain(*modules))  # noqa: E731
+    products = lambda *modules: [linear(*modules)] if joined else [linear(m) for m in modules]  # noqa: E731
     inner = model.model
     decoder = list(inner.layers[: model.config.num_hidden_layers])
     attn = decoder[0].self_attn
@@ -121,9 +127,12 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     # Each layer's tensors, fetched once (a module call and its attribute lookups cost more than
     # a small model's matrix product); the ops below are the modules' own, in their order.
     weights = [(
-        _norm(layer.input_layernorm), linear(layer.self_attn.q_proj), linear(layer.self_attn.k_proj),
-        linear(layer.self_attn.v_proj), linear(layer.self_attn.o_proj), _norm(layer.post_attention_layernorm),
-        linear(layer.mlp.gate_proj), linear(layer.mlp.up_proj), linear(layer.mlp.down_proj), layer.mlp.act_fn,
+        _norm(layer.input_layernorm),
+        _outputs(products(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                 [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+        linear(layer.self_attn.o_proj), _norm(layer.post_attention_layernorm),
+        _outputs(products(layer.mlp.gate_proj, layer.mlp.up_proj), [layer.mlp.gate_proj, layer.mlp.up_proj]),
+        linear(layer.mlp.down_proj), layer.mlp.act_fn,
         tuple(_norm(m) for m in _head_norms(layer.self_attn)) or None,
     ) for layer in decoder]
     final_norm = _norm(inner.norm)
@@ -158,17 +167,15 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         if fold and mask is not None:  # (never None over several positions)
             mask = mask.repeat(1, 1, groups, 1)
         taken = {}  # the inputs of the layers a fused feature reads
-        for index, ((norm1, wq, wk, wv, wo, norm2, gate, up, down, act, head_norms), cache) in enumerate(
+        for index, ((norm1, qkv, wo, norm2, gate_up, down, act, head_norms), cache) in enumerate(
                 zip(weights, layers)):
             if capture_layers and index in capture_layers:
                 taken[index] = spread(hidden)
             x = _rms(hidden, *norm1)
-            q = spread(wq(x)).view(rows, width, -1, head_dim)
-            k = spread(wk(x)).view(rows, width, -1, head_dim)
+            q, k, v = (spread(y).view(rows, width, -1, head_dim) for y in qkv(x))
             if head_norms is not None:  # Qwen3: each head's query and key normalised
                 q, k = _rms(q, *head_norms[0]), _rms(k, *head_norms[1])
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = spread(wv(x)).view(rows, width, -1, head_dim).transpose(1, 2)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             keys, values = cache.update(k, v)
@@ -190,8 +197,8 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, **gqa)
             out = out.transpose(1, 2).reshape(rows, width, -1)
             hidden = hidden + wo(out if real is None else out.reshape(rows * width, -1).index_select(0, real))
-            x = _rms(hidden, *norm2)
-            hidden = hidden + down(act(gate(x)) * up(x))
+            gate, up = gate_up(_rms(hidden, *norm2))
+            hidden = hidden + down(act(gate) * up)
         hidden = spread(hidden)
         if capture is not None and capture_layers:
             capture(torch.cat([taken[k] for k in capture_layers], dim=-1))
@@ -391,9 +398,19 @@ def attention_mask(valid, width: int, columns: int, device, among=None):
     return (valid[:, None, :columns] & causal[None])[:, None]
 
 
-def _linear_op(module, pack: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``module``'s product as a function (:func:`workers.kernels.products.linear_product`)."""
-    return linear_product(module.weight, module.bias, pack)
+def _linear_op(modules: Sequence, pack: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The product of ``modules`` (linear layers reading the same input) as one function, their
+    outputs side by side (:func:`workers.kernels.products.linear_product`)."""
+    return linear_product(*side_by_side(modules), pack)
+
+
+def _outputs(products: list, modules: list) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """``x -> [module(x) for module in modules]`` from ``products``: one per module, or one of
+    them all side by side (:func:`_linear_op`), split back."""
+    if len(products) == len(modules):
+        return lambda x: [product(x) for product in products]
+    sizes = [m.weight.shape[0] for m in modules]
+    return lambda x: products[0](x).split(sizes, -1)
 
 
 def _packable(model) -> bool:

@@ -35,6 +35,7 @@ import torch
 # the kernel's weight format, product, check and measurement (imported back for this module's callers)
 from workers.kernels.int4 import (  # noqa: F401
     GROUP, ROW_STEPS, Groups, Product, QuantProduct, groups_from_float, kernel_works, most_rows)
+from workers.kernels.products import side_by_side
 
 log = logging.getLogger(__name__)
 
@@ -177,14 +178,18 @@ class Quantizer:
             log.warning("quantize: %s: multiplying from the float weights instead", why)
         return cls(groups, why)
 
-    def __call__(self, module, plain: Product) -> Product:
-        groups = self.groups.get(module)
-        if groups is None or self.why_not is not None:
+    def __call__(self, modules: tuple, plain: Product) -> Product:
+        """The product of ``modules`` (linear layers reading the same input, outputs side by side,
+        :func:`workers.kernels.products.side_by_side`): quantized where each has groups."""
+        parts = [self.groups.get(m) for m in modules]
+        if any(g is None for g in parts) or len({g.repeat for g in parts}) > 1 or self.why_not is not None:
             return plain
-        if module not in self.products:
-            self.products[module] = QuantProduct(groups, module.bias, plain)
-            self.products[module].most_rows = self.most_rows or 0
-        return self.products[module]
+        if modules not in self.products:
+            groups = parts[0] if len(parts) == 1 else Groups(*(torch.cat([getattr(g, f) for g in parts])
+                                                               for f in ("codes", "scales", "zeros")), parts[0].repeat)
+            self.products[modules] = QuantProduct(groups, side_by_side(modules)[1], plain)
+            self.products[modules].most_rows = self.most_rows or 0
+        return self.products[modules]
 
     def measure(self) -> None:
         """Decide, once the products are built, up to how many rows the kernel serves (:func:`most_rows`)."""

@@ -58,6 +58,19 @@ def linear_product(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) 
     return product
 
 
+def side_by_side(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias of linear ``modules`` that read the same input, as one layer whose
+    outputs are theirs side by side (a module's own tensors where there is one; zeros for a
+    missing bias beside present ones, which adds nothing)."""
+    if len(modules) == 1:
+        return modules[0].weight, modules[0].bias
+    weight = torch.cat([m.weight.detach() for m in modules])
+    if all(m.bias is None for m in modules):
+        return weight, None
+    return weight, torch.cat([m.weight.new_zeros(m.weight.shape[0]) if m.bias is None else m.bias.detach()
+                              for m in modules])
+
+
 def prepacked(weight: torch.Tensor, bias: torch.Tensor | None) -> Product:
     """``x @ weight.T + bias`` through oneDNN from a copy of ``weight`` in its blocked layout, made
     once (F.linear reorders the weight on every call); F.linear where oneDNN's ops are missing
