@@ -43,7 +43,7 @@ from cascade.tree import DraftTree, verify_trees
 from cascade.verify import Verdict, verify_block_keyed, verify_blocks
 from policies.base import (DraftStep, EdgeOutcome, PassCost, PlanContext, Policy, PolicyError, StepFeedback,
                            StepPlan, StopRule, draft_step)
-from workers.base import Draft, Worker, common_prefix
+from workers.base import Draft, Worker
 
 @dataclass
 class Request:
@@ -64,8 +64,9 @@ class RequestState:
     stats: RequestStats
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "length", "eos", "stop" or "context"
-    # per level, the tokens its cache holds (as far as the engine can tell): what a call
-    # really feeds, prefill included, is priced for the policy's cost model
+    # per level, the tokens its cache holds: the one record of the sequence's progress. Before
+    # each call the level is told how much of the call's sequence it holds (Worker.hold), and
+    # what the call really feeds, prefill included, is priced for the policy's cost model
     level_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     # with request.provenance, one record per committed step (else None: nothing is recorded)
@@ -77,11 +78,19 @@ class RequestState:
         """Positions a call on ``level`` computes for this sequence: those of ``tokens`` past
         the level's cached prefix (at least ``num_positions``); then the level holds
         ``tokens[:cached_after]``."""
-        keep = min(common_prefix(self.level_tokens.get(level, []), tokens), len(tokens) - num_positions)
+        keep = min(self.held(level, tokens), len(tokens) - num_positions)
         # the callers build ``tokens`` afresh for each call: keep it, no copy, when it is all cached
         self.level_tokens[level] = tokens if cached_after == len(tokens) else tokens[:cached_after]
         return len(tokens) - keep
 
+    def held(self, level: str, tokens: list[int]) -> int:
+        """How many leading positions of ``tokens`` ``level`` holds: where they leave what it was
+        handed (and drafted) for this sequence."""
+        have = self.level_tokens.get(level, [])
+        n = min(len(have), len(tokens))
+        if have[:n] == tokens[:n]:  # the usual case: the sequence continues what the level holds
+            return n
+        return next(i for i in range(n) if have[i] != tokens[i])
 
 
 @dataclass
@@ -315,13 +324,14 @@ class Engine:
     def prefill(self, group: list[RequestState], ends: list[int], levels: list[str], policy: Policy) -> None:
         """Compute each request's prompt positions ``[0, ends[b])`` on ``levels``
         (``Worker.prefill``: nothing sampled, nothing committed): a chunk of a long prompt, so
-        that its prefill interleaves with the others' steps (:class:`Batch`). Caches reconcile
-        with the tokens they are handed, so the step that follows computes only the rest, as
+        that its prefill interleaves with the others' steps (:class:`Batch`). Caches keep what they
+        are told they hold (``Worker.hold``), so the step that follows computes only the rest, as
         it computes a whole prompt otherwise. Each call is priced as a pass that catches up."""
         seqs = [_Seq(s, _StepRecord(s.stats), s.request.prompt_ids[:e], 0) for s, e in zip(group, ends)]
         for level in levels:
             t0 = time.perf_counter()
             try:
+                self._hold(level, seqs, [s.prefix for s in seqs])
                 self.workers[level].prefill([s.state.seq_id for s in seqs], [s.prefix for s in seqs])
             except WorkerError as exc:
                 exc.level = exc.level or level
@@ -387,6 +397,7 @@ class Engine:
         shapes = [widths[:max(0, s.budget - len(s.tokens) - 1)] for s in seqs]
         self._hand_features(drafter, seqs, policy)  # a feature head's, as before a block
         t0 = time.perf_counter()
+        self._hold(drafter, seqs, prefixes)
         grown = self.workers[drafter].draft_tree(ids, prefixes, shapes)
         depth = [len(x) for x in shapes]
         self._price(drafter, seqs, policy, time.perf_counter() - t0,
@@ -394,6 +405,7 @@ class Engine:
         trees = [DraftTree(tokens, parents) for tokens, parents in grown]
         t0 = time.perf_counter()
         worker = self.workers[level]
+        self._hold(level, seqs, prefixes)
         logits, rows = _rows(stop, sampling, lambda: worker.score_tree_probs(ids, prefixes, grown, sampling),
                              lambda: worker.score_tree(ids, prefixes, grown))
         self._price(level, seqs, policy, time.perf_counter() - t0,
@@ -444,14 +456,17 @@ class Engine:
         source = head.features_of
         if source is None:
             return
-        seen = [common_prefix(s.state.level_tokens.get(source, []), s.prefix) for s in seqs]
+        seen = [s.state.held(source, s.prefix) for s in seqs]
         # features of positions < end: the level holds those of the tokens it was fed
         ends = [max(len(s.state.request.prompt_ids) + len(s.state.generated) - 1, min(n, len(s.prefix) - 1))
                 for s, n in zip(seqs, seen)]
+        computed = [a for a, (n, end) in enumerate(zip(seen, ends)) if n < end]
         t0 = time.perf_counter()
+        self._hold(level, seqs, [s.prefix for s in seqs])
+        # a level that computes positions for the hand-off first drops what it holds past them
+        self.workers[source].hold([seqs[a].state.seq_id for a in computed], [seen[a] for a in computed])
         head.hand_off(self.workers[source], [s.state.seq_id for s in seqs], [s.prefix for s in seqs], ends)
         seconds = time.perf_counter() - t0
-        computed = [a for a, (n, end) in enumerate(zip(seen, ends)) if n < end]
         if computed:  # the level has not seen these positions: it computes them now
             self._price(source, [seqs[a] for a in computed], policy, seconds,
                         [_Feed(seqs[a].prefix[:ends[a] + 1], 1, ends[a] + 1, 1, 1) for a in computed])
@@ -463,6 +478,7 @@ class Engine:
         self._hand_features(level, seqs, policy)
         uniforms = [s.draws(sampling, s.budget) for s in seqs]  # a block's draws, all up front
         t0 = time.perf_counter()
+        self._hold(level, seqs, [s.prefix for s in seqs])
         drafts = self.workers[level].draft([s.state.seq_id for s in seqs], [s.prefix for s in seqs],
                                            [s.budget for s in seqs], sampling, uniforms, stop)
         # the first pass feeds what the level has not cached, each later one the token before
@@ -484,11 +500,17 @@ class Engine:
         tokens = [s.prefix + s.tokens + b.tokens for s, b in zip(seqs, blocks)]
         positions = [len(b.tokens) + 1 for b in blocks]
         t0 = time.perf_counter()
+        self._hold(level, seqs, tokens)
         logits, rows = _rows(stop, sampling, lambda: worker.score_probs(ids, tokens, positions, sampling),
                              lambda: worker.score(ids, tokens, positions))
         self._price(level, seqs, policy, time.perf_counter() - t0,
                     [_Feed(t, m, len(t), 1, m) for t, m in zip(tokens, positions)])
         return logits, rows
+
+    def _hold(self, level: str, seqs: list[_Seq], tokens: list[list[int]]) -> None:
+        """Before a call: tell ``level`` how much of each sequence (``tokens[b]``) it still holds
+        (``Worker.hold``), from the engine's record; nothing else reconciles what a cache holds."""
+        self.workers[level].hold([s.state.seq_id for s in seqs], [s.state.held(level, t) for s, t in zip(seqs, tokens)])
 
     @staticmethod
     def _price(level: str, seqs: list[_Seq], policy: Policy, seconds: float, fed: list[_Feed]) -> None:

@@ -14,6 +14,7 @@ from conftest import make_llama, write_topology
 from draws import exact_pairs, per_row, verify_ignoring_draft_probs
 from stats_util import chi_square_pvalue, total_variation
 from workers.draft_vocab import FILE, DraftVocab
+from told import Told
 from workers.hf import HFWorker
 
 AUTHORITY_VOCAB = 6
@@ -108,7 +109,7 @@ def test_drafts_warped_over_the_draft_columns_are_the_wide_rows_draws(trimmed, s
     from cascade.sampling import Sampling, position_keys
 
     sampling = Sampling(**sampling)
-    worker = HFWorker(str(trimmed), "float64", "cpu")
+    worker = Told(HFWorker(str(trimmed), "float64", "cpu"))  # as the engine drives it
     assert worker.draft_columns.tolist() == sorted(DRAFT_IDS)
     gen = torch.Generator().manual_seed(5)
     for trial in range(60):

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from told import Told
 from workers.hf import HFWorker
 
 TOL = 1e-10
@@ -70,7 +71,7 @@ def test_a_solo_sequences_cache_grows_in_place_through_rollbacks(model, lean):
 
 
 def test_ragged_batches_equal_solo(model, tokenizer):
-    worker = HFWorker.from_model(model)
+    worker = Told(HFWorker.from_model(model))  # as the engine drives it
     vocab = worker.vocab_size
     rng = random.Random(0)
     seqs = {s: [rng.randrange(vocab) for _ in range(rng.randrange(3, 20))] for s in "abcd"}
@@ -98,7 +99,7 @@ def test_ragged_batches_equal_solo(model, tokenizer):
 
 @pytest.mark.parametrize("lean", [True, False], ids=["lean-forward", "transformers-forward"])
 def test_subsets_idle_rows_joins_and_leaves(model, lean):
-    worker = HFWorker.from_model(model, lean=lean)
+    worker = Told(HFWorker.from_model(model, lean=lean))  # as the engine drives it
     assert (worker.lean is not None) == lean
     vocab = worker.vocab_size
     rng = random.Random(1)

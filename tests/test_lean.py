@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from told import Told
 from workers.hf import HFWorker
 from workers.lean import lean_forward
 
@@ -62,7 +63,7 @@ def test_lean_worker_equals_transformers_through_rollbacks_joins_and_solo_calls(
     monkeypatch.setattr("workers.lean.PACK_BELOW", pack)
     model = make(**VARIANTS[variant])
     assert type(model).__name__.lower().startswith(VARIANTS[variant].get("arch", "llama"))
-    worker = HFWorker.from_model(model)
+    worker = Told(HFWorker.from_model(model))  # as the engine drives it
     assert worker.lean is not None
     rng = random.Random(0)
     seqs = {s: [rng.randrange(61) for _ in range(rng.randrange(2, 30))] for s in "abc"}

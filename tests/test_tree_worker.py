@@ -12,6 +12,7 @@ import torch
 
 from cascade.sampling import Sampling
 from table_worker import TableWorker
+from told import Told
 from workers.base import Worker
 from workers.draft_vocab import DraftVocab
 from workers.hf import HFWorker
@@ -218,7 +219,7 @@ TREE = ([11, 12, 13, 14, 15, 16, 17], [-1, -1, -1, 0, 1, 1, 4])  # nodes 1 -> 4 
 @pytest.mark.parametrize("path", ["solo", "pool", "per-sequence"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_cache_after_a_tree_is_the_chains(model, path, case):
-    tree_worker, chain_worker = (worker_for(model, path) for _ in range(2))
+    tree_worker, chain_worker = (Told(worker_for(model, path)) for _ in range(2))  # as the engine drives them
     rng = random.Random(2)
     ids = ["x"] if path == "solo" else ["x", "y", "z"]
     prefixes = seqs(rng, len(ids), 10, 20)
@@ -422,8 +423,8 @@ def test_trimmed_vocabulary_drafter_scores_trees(batch):
     ids_ = [4, 1, 3]
     vocab = DraftVocab(ids_, 6)
     trimmed = make(seed=7, vocab=len(ids_) + 1)
-    worker = HFWorker.from_model(trimmed, draft_vocab=vocab)
-    chain = HFWorker.from_model(trimmed, draft_vocab=vocab)
+    worker = Told(HFWorker.from_model(trimmed, draft_vocab=vocab))
+    chain = Told(HFWorker.from_model(trimmed, draft_vocab=vocab))
     seq_ids = ["u", "v"][:batch]
     prefixes = [[4, 0, 1, 3, 2], [1, 1, 5]][:batch]
     tree = ([0, 2, 4, 1, 5, 3], [-1, -1, 0, 1, 1, 3])  # 0 and 2: OTHER; 1 -> 3 -> 5 runs below the second

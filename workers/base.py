@@ -1,8 +1,10 @@
 """The worker interface: one model, many sequences; it scores and samples, it decides nothing.
 
-A worker keeps whatever per-sequence state it likes (a KV cache), keyed by ``seq_id``, and
-reconciles it with the token ids it is handed on every call: the caller always sends the full
-sequence (prompt + committed + proposed), so a rolled-back block simply disappears.
+A worker keeps whatever per-sequence state it likes (a KV cache), keyed by ``seq_id``. Every call
+hands the full sequence (prompt + committed + proposed) as a list (a reference, no copy); the
+engine owns each sequence's progress and says before each call how many leading positions the
+level still holds (:meth:`Worker.hold`), so a rolled-back block is dropped without any list
+being compared, and the worker computes only what follows.
 
 Randomness comes in as uniforms drawn by the caller from the request's generator: a worker
 never owns a random state, so every backend gives the same tokens for the same seed.
@@ -25,18 +27,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of two token sequences: how much of a cache
-    that holds ``a`` serves a call handed ``b``."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case: the cache is a prefix of the new sequence
-        return n
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def host_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -86,6 +76,14 @@ class Worker(abc.ABC):
         seen). Only feature heads implement it (:class:`workers.head.HeadWorker`)."""
         raise NotImplementedError(f"{type(self).__name__} reads no level's features")
 
+    def hold(self, seq_ids: Sequence[str], held: Sequence[int]) -> None:
+        """Before a call, the engine says how many leading positions of each sequence the level
+        still holds (``held[b]``: those of the sequences it was handed, and drafted itself, that
+        the call's sequence keeps); a worker drops whatever it holds past them and trusts that
+        the call's ``token_ids`` continue the rest. A scored tree pending right after them stays,
+        for the call to settle against its tokens. This default holds nothing (a worker without
+        a cache, or one that keeps its own bookkeeping)."""
+
     @abc.abstractmethod
     def score(
         self,
@@ -134,8 +132,8 @@ class Worker(abc.ABC):
 
         This generic version scores each root-to-leaf path as a chain with :meth:`score` (one
         call per leaf, all sequences' ``j``-th leaves together); a worker that can score the
-        whole tree in one pass overrides it. A worker's state afterwards is what the last path
-        left, reconciled by the next call like any rolled-back block."""
+        whole tree in one pass overrides it. The worker then holds each sequence alone, as
+        handed: no path is left pending."""
         from workers.trees import as_tree, leaf_paths
 
         trees = [as_tree(t) for t in trees]
@@ -152,6 +150,7 @@ class Worker(abc.ABC):
                 if out[b] is None:
                     out[b] = rows.new_empty((len(trees[b][0]) + 1, rows.shape[-1]))
                 out[b][[0] + [1 + i for i in paths[b][j]]] = rows
+        self.hold(seq_ids, [len(t) for t in token_ids])  # the last path goes
         return out  # type: ignore[return-value]
 
     def score_tree_probs(

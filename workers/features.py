@@ -8,13 +8,14 @@ transformers' ``output_hidden_states`` gives as ``hidden_states[k]``). The level
 anyway while it scores; :class:`FeatureStore` keeps them per sequence, so that handing them to
 the head costs no extra pass.
 
-The store mirrors the worker's KV cache by tokens, not by cache columns: per sequence, the tokens
-whose features it holds and one feature row per token (row ``i``: the hidden state after reading
-tokens ``0..i``, which predicts token ``i + 1``). Every pass records what it fed after the prefix
-the cache held (:meth:`FeatureStore.record`): the store first drops whatever does not continue
-that prefix, as the cache did, so a rejected block leaves no feature behind. A scored tree's
-nodes wait as pending, as in the cache, until the sequence's next call settles them: the
-accepted path's rows stay, the other nodes' go (:func:`workers.kvcache.settled_path`).
+The store follows the worker's KV cache by positions, not by cache columns: per sequence, the
+tokens whose features it holds and one feature row per token (row ``i``: the hidden state after
+reading tokens ``0..i``, which predicts token ``i + 1``). It keeps what the cache keeps
+(:meth:`FeatureStore.hold`, told by the engine as the cache is), and every pass records what it
+fed after the prefix the cache held (:meth:`FeatureStore.record`), so a rejected block leaves no
+feature behind. A scored tree's nodes wait as pending, as in the cache, until the sequence's next
+call settles them: the accepted path's rows stay, the other nodes' go
+(:func:`workers.trees.accepted_path`).
 """
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from workers.base import common_prefix
-from workers.kvcache import settled_path
+from workers.trees import accepted_path
 
 
 @dataclass
@@ -93,12 +93,10 @@ class FeatureStore:
         held = self.seqs.get(seq_id)
         if held is None:
             held = self.seqs[seq_id] = _Held()
-        prefix = list(prefix)
         if held.tree is not None:
-            self._settle(held, prefix + list(fed))
-        keep = common_prefix(held.tokens, prefix)
-        del held.tokens[keep:]
-        if keep < len(prefix):
+            self._settle(held, list(prefix) + list(fed))
+        del held.tokens[len(prefix):]  # what the cache kept, it kept of these (hold)
+        if len(held.tokens) < len(prefix):
             # the cache holds tokens the store never saw (features were asked for late): keep the
             # contiguous part; :meth:`HFWorker.features` recomputes the rest when asked
             return
@@ -117,12 +115,21 @@ class FeatureStore:
             return torch.zeros(0, self.hidden_size) if held is None or held.rows is None else held.rows[:0].clone()
         if held is None:
             return None
-        tokens = list(token_ids)
         if held.tree is not None:
-            self._settle(held, tokens)
-        if common_prefix(held.tokens, tokens) < end:
+            self._settle(held, token_ids)
+        if len(held.tokens) < end:  # ``token_ids`` continue what it holds (hold)
             return None
         return held.rows[start:end].clone()
+
+    def hold(self, seq_ids: Sequence[str], held: Sequence[int]) -> None:
+        """Keep each sequence's features of its first ``held[b]`` positions (:meth:`Worker.hold
+        <workers.base.Worker.hold>`); a pending tree after more goes."""
+        for s, n in zip(seq_ids, held):
+            kept = self.seqs.get(s)
+            if kept is not None:
+                if kept.tree is not None and n < len(kept.tokens):
+                    kept.tree = None
+                del kept.tokens[n:]
 
     def release(self, seq_ids: Sequence[str]) -> None:
         for s in seq_ids:
@@ -147,9 +154,9 @@ class FeatureStore:
         held.rows[n:n + add] = rows
         held.tokens.extend(tokens)
 
-    def _settle(self, held: _Held, sequence: list[int]) -> None:
+    def _settle(self, held: _Held, sequence: Sequence[int]) -> None:
         """Keep the pending tree's root-to-node path that ``sequence`` continues with; drop the rest."""
         (tokens, parents, rows), held.tree = held.tree, None
-        path = settled_path(tokens, parents, held.tokens, sequence)
+        path = accepted_path(tokens, parents, sequence, len(held.tokens))
         if path:
             self._append(held, [tokens[i] for i in path], rows[path])

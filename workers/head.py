@@ -26,8 +26,8 @@ back of its own, ``f̂``, is already in that space. ``fuse.weight`` is then in i
 **Drafting** (:class:`HeadWorker`). Where the source has computed the feature before a position,
 the head feeds it (a *real* entry); past the features it has been handed, it feeds its own
 prediction ``f̂_{t-1}`` (a *predicted* entry), one token per pass, as EAGLE drafts. Its KV cache
-keeps real entries like any cache, reconciled with the tokens on every call; a predicted entry is
-dropped as soon as the source's feature for it arrives (:meth:`HeadWorker.take_features`), so
+keeps real entries like any cache, as far as the engine says it holds them (:meth:`HeadWorker.hold`);
+a predicted entry is dropped as soon as the source's feature for it arrives (:meth:`HeadWorker.take_features`), so
 after a verified step the cache holds real entries only. The draft is sampled as every level
 samples (:meth:`workers.base.Worker.draft`: the same sampling, uniforms and stop rule), and its
 ``probs`` are the rows it sampled from: the exactness argument needs nothing else
@@ -56,7 +56,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from workers.base import Worker, common_prefix, grow_children, host_logits
+from workers.base import Worker, grow_children, host_logits
 from workers.draft_vocab import DraftVocab
 from workers.kernels.products import linear_product, own_product, packable
 from workers.trees import ancestry
@@ -367,8 +367,7 @@ class HeadWorker(Worker):
         starts = []
         for s, toks in zip(seq_ids, token_ids):
             state = self._seqs.get(s)
-            keep = 0 if state is None else min(common_prefix(state.tokens, list(toks)), state.real)
-            starts.append(max(keep - 1, 0))
+            starts.append(0 if state is None else max(min(len(state.tokens), state.real) - 1, 0))
         return starts
 
     def hand_off(self, source, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
@@ -397,10 +396,7 @@ class HeadWorker(Worker):
                 raise ValueError(f"take_features: features of width {feats.shape[-1]}; this head reads "
                                  f"{width} (fuse_layers {self.head.config.fuse_layers})")
             toks = list(toks)
-            state = self._seqs.get(s)
-            if state is None:
-                state = self._seqs[s] = _HeadSeq()
-            state.crop(common_prefix(state.tokens, toks))
+            state = self._seqs.setdefault(s, _HeadSeq())
             end = start + feats.shape[0]
             if state.real < len(state.tokens) and end >= state.real:
                 state.crop(state.real)  # its first predicted entry now has its real feature
@@ -428,10 +424,7 @@ class HeadWorker(Worker):
             toks = list(toks)
             if not toks:
                 raise ValueError("draft: an empty sequence")
-            state = self._seqs.get(s)
-            if state is None:
-                state = self._seqs[s] = _HeadSeq()
-            state.crop(common_prefix(state.tokens, toks))
+            state = self._seqs.setdefault(s, _HeadSeq())
             if state.feats is not None and toks[:len(state.feat_tokens)] != state.feat_tokens:
                 state.feats = None  # handed for another sequence (a rolled-back block)
             states.append((state, toks))
@@ -612,6 +605,11 @@ class HeadWorker(Worker):
         features (for tests and monitoring)."""
         state = self._seqs.get(seq_id)
         return ([], 0) if state is None else (list(state.tokens), state.real)
+
+    def hold(self, seq_ids: Sequence[str], held: Sequence[int]) -> None:
+        for s, n in zip(seq_ids, held):
+            if s in self._seqs:
+                self._seqs[s].crop(n)
 
     def release(self, seq_ids: Sequence[str]) -> None:
         for s in seq_ids:

@@ -1,8 +1,8 @@
 """A worker for any transformers causal LM.
 
-Its sequences' keys and values live in a :class:`~workers.kvcache.KVCache`, reconciled with the
-tokens each call hands: the longest common prefix stays, the rest rolls back, what is new is
-fed (rejected drafts therefore roll back by themselves). Sequences scored together are rows of
+Its sequences' keys and values live in a :class:`~workers.kvcache.KVCache`, which keeps what the
+engine says each sequence still holds (:meth:`Worker.hold <workers.base.Worker.hold>`: rejected
+drafts go) and is fed what each call's tokens add. Sequences scored together are rows of
 one persistent batched cache, the pool (:class:`workers.pool.Pool`: preallocated buffers
 written in place, rows rolled back by a validity mask); a solo sequence keeps a cache of its own
 until it is batched, and a model whose cache layout the pool does not handle keeps one per
@@ -269,6 +269,11 @@ class HFWorker(Worker):
         """Rows at the authority's width (a trimmed drafter's: -inf outside its vocabulary)."""
         vocab = self.draft_vocab
         return rows if vocab is None else [vocab.to_authority_rows(r) for r in rows]
+
+    def hold(self, seq_ids: Sequence[str], held: Sequence[int]) -> None:
+        for cache in (self._caches, self._pool or None, self._features):  # _pool: False where the model rules it out
+            if cache is not None:
+                cache.hold(seq_ids, held)
 
     def release(self, seq_ids: Sequence[str]) -> None:
         self._caches.release(seq_ids)

@@ -2,13 +2,13 @@
 
 One interface (:class:`KVCache`) for the two ways :class:`~workers.hf.HFWorker` keeps them: the
 pool, one batched cache whose rows are the sequences (:class:`workers.pool.Pool`), and a cache
-per sequence (:class:`SeqCaches`). A call hands each sequence's whole token list: the cache keeps
-the longest prefix of it that it holds (so a rejected block rolls back by itself), appends the
-rest in one forward pass for all the call's sequences, and answers the logits of the last
-positions asked for, on the host (:func:`workers.base.host_logits`). A tree's nodes, fed after
-the tail under a tree mask (:mod:`workers.trees`), stay pending until the sequence's next call
-settles them: the path it took (:func:`settled_path`) moves where a chain would have put it, the
-other nodes go.
+per sequence (:class:`SeqCaches`). The engine says how many positions of each sequence the cache
+still holds (:meth:`KVCache.hold`: a rejected block goes); a call hands each sequence's whole token
+list, which continues what the cache holds: the cache appends the rest in one forward pass for all
+the call's sequences, and answers the logits of the last positions asked for, on the host
+(:func:`workers.base.host_logits`). A tree's nodes, fed after the tail under a tree mask
+(:mod:`workers.trees`), stay pending until the sequence's next call settles them: the path it took
+(:func:`workers.trees.accepted_path`) moves where a chain would have put it, the other nodes go.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from workers.base import common_prefix, host_logits
+from workers.base import host_logits
 from workers.trees import Pending, accepted_path, window_mask
 from workers.trees import positions as node_offsets  # a tree node's position after its prefix
 
@@ -31,7 +31,7 @@ Trees = Sequence[tuple[list[int], list[int]]] | None  # per sequence (tokens, pa
 
 
 class KVCache(abc.ABC):
-    """Sequences' keys and values, reconciled with the tokens each call hands (module docstring)."""
+    """Sequences' keys and values, as far as the engine says they still hold (module docstring)."""
 
     features = None  # a feature head's FeatureStore (workers/features.py): each pass's rows go into it
 
@@ -43,19 +43,13 @@ class KVCache(abc.ABC):
         then each node's (:meth:`Worker.score_tree <workers.base.Worker.score_tree>`)."""
 
     @abc.abstractmethod
+    def hold(self, seq_ids: Sequence[str], held: Sequence[int]) -> None:
+        """:meth:`Worker.hold <workers.base.Worker.hold>`: keep each sequence's first ``held[b]``
+        positions (a pending tree after them stays; one after more goes)."""
+
+    @abc.abstractmethod
     def release(self, seq_ids: Sequence[str]) -> None:
         """Forget these sequences."""
-
-
-def settled_path(tokens: Sequence[int], parents: Sequence[int], held: Sequence[int],
-                 sequence: Sequence[int]) -> list[int]:
-    """The nodes a pending tree (``tokens``, ``parents``), scored after ``held``, keeps once the
-    sequence is ``sequence``: the longest root-to-node path continuing it, root first; none where
-    ``sequence`` does not continue ``held`` (a rollback past the tree's root)."""
-    base = len(held)
-    if list(sequence[:base]) != list(held):
-        return []
-    return accepted_path(tokens, parents, sequence, base)
 
 
 def move_columns(buffers: Sequence[torch.Tensor], rows: list[int], src: list[int], dst: list[int]) -> None:
@@ -223,6 +217,14 @@ class SeqCaches(KVCache):
         for s in seq_ids:
             self.seqs.pop(s, None)
 
+    def hold(self, seq_ids, held) -> None:
+        for s, n in zip(seq_ids, held):
+            entry = self.seqs.get(s)
+            if entry is not None:
+                if entry.tree is not None and n < len(entry.tokens):
+                    self._settle(entry, None)  # rolled back past the tree's root
+                self._crop(entry, n)
+
     def score(self, seq_ids, token_ids, num_positions, trees: Trees = None) -> list[torch.Tensor]:
         if len(seq_ids) == 1:
             return [self._one(seq_ids[0], list(token_ids[0]), num_positions[0], trees[0] if trees else None)]
@@ -308,8 +310,8 @@ class SeqCaches(KVCache):
         return DynamicCache(config=self.model.config)
 
     def _reconcile(self, seq_id: str, tokens: list[int], num_positions: int) -> tuple[_SeqCache, list[int]]:
-        """Crop the sequence's cache to its longest common prefix with ``tokens`` (keeping the
-        positions that need logits uncached) and return it with the tokens still to feed."""
+        """The sequence's cache, which ``tokens`` continue (:meth:`hold`), its pending tree settled
+        and cropped to leave the positions that need logits uncached, and the tokens still to feed."""
         if not 1 <= num_positions <= len(tokens):
             raise ValueError(f"num_positions={num_positions} for a sequence of {len(tokens)} tokens")
         entry = self.seqs.get(seq_id)
@@ -317,18 +319,23 @@ class SeqCaches(KVCache):
             entry = self.seqs[seq_id] = _SeqCache(self._new_cache())
         elif entry.tree is not None:
             self._settle(entry, tokens)
-        keep = min(common_prefix(entry.tokens, tokens), len(tokens) - num_positions)
-        if keep < len(entry.tokens):
-            entry.cache.crop(keep - len(entry.tokens))
-            del entry.tokens[keep:]
+        keep = min(len(entry.tokens), len(tokens) - num_positions)
+        self._crop(entry, keep)
         return entry, tokens[keep:]
 
     @staticmethod
-    def _settle(entry: _SeqCache, tokens: list[int]) -> None:
-        """Resolve the tree scored last against ``tokens`` (:func:`settled_path`)."""
+    def _crop(entry: _SeqCache, keep: int) -> None:
+        if keep < len(entry.tokens):
+            entry.cache.crop(keep - len(entry.tokens))
+            del entry.tokens[keep:]
+
+    @staticmethod
+    def _settle(entry: _SeqCache, tokens: list[int] | None) -> None:
+        """Resolve the tree scored last: keep the path ``tokens`` take through it
+        (:func:`~workers.trees.accepted_path`; None: drop it)."""
         tree, entry.tree = entry.tree, None
         base = len(entry.tokens)
-        path = settled_path(tree.tokens, tree.parents, entry.tokens, tokens)
+        path = [] if tokens is None else accepted_path(tree.tokens, tree.parents, tokens, base)
         moves = [(base + i, base + j) for j, i in enumerate(path) if i != j]
         if moves:
             buffers = [kv for layer in entry.cache.layers for kv in (layer.keys, layer.values)]

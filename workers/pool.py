@@ -27,9 +27,9 @@ from typing import Any, Sequence
 
 import torch
 
-from workers.base import common_prefix, host_logits
-from workers.kvcache import Forward, KVCache, Trees, buffer_layer, move_columns, num_layers, settled_path
-from workers.trees import Pending, window_mask
+from workers.base import host_logits
+from workers.kvcache import Forward, KVCache, Trees, buffer_layer, move_columns, num_layers
+from workers.trees import Pending, accepted_path, window_mask
 from workers.trees import positions as node_offsets  # a tree node's position after its prefix
 
 
@@ -46,6 +46,7 @@ class Pool(KVCache):
         # what the pool needs of its worker: the model (its cache layout), where it runs, how many
         # positions it takes, and its forward pass over the pool's cache layers
         self.model, self.device, self.context_length, self.forward = model, device, context_length, forward
+        self.told: dict[str, int] = {}  # seq_id -> what it holds, for its next pass (hold)
         self._clear()
 
     def _clear(self) -> None:
@@ -154,9 +155,15 @@ class Pool(KVCache):
         if self.used + width > self.capacity:  # with headroom: growing copies the cache
             self._grow(max(2 * self.capacity, 2 * (self.used + width), 64))
 
+    def hold(self, seq_ids, held) -> None:
+        # applied by the sequences' next pass as it begins: after seating them, whose compaction
+        # must find the columns that pass does (the same layout, the same sums)
+        self.told.update(zip(seq_ids, held))
+
     @torch.inference_mode()  # the pool's tensors are inference tensors
     def release(self, seq_ids: Sequence[str]) -> None:
         for s in seq_ids:
+            self.told.pop(s, None)
             r = self.row_of.pop(s, None)
             if r is None:
                 continue
@@ -227,41 +234,38 @@ class Pool(KVCache):
         return [self.row_of[s] for s in seq_ids]
 
     def _reconcile(self, rows: list[int], token_ids, num_positions) -> list[list[int]]:
-        """Roll each row back to its longest common prefix with the tokens it is handed (keeping
-        the positions that need logits uncached); return the tokens each row still has to feed."""
-        dev = self.device
+        """Keep what each row holds of the tokens it is handed (:meth:`hold`), its pending tree
+        settled against them (dropped where it rolled back past the tree), and leave the positions
+        that need logits uncached; return the tokens each row still has to feed."""
+        told = [self.told.pop(self.rows[r], len(self.tokens[r])) for r in rows]
         if self.trees:
-            self._settle(rows, token_ids)
-        news = []
-        drop_rows, drop_cols = [], []
-        for r, toks, n in zip(rows, token_ids, num_positions):
-            toks = list(toks)
+            self._settle(rows, [None if n < len(self.tokens[r]) else t for r, n, t in zip(rows, told, token_ids)])
+        news, drop_rows, drop_cols = [], [], []
+        for r, toks, n, held in zip(rows, token_ids, num_positions, told):
             if not 1 <= n <= len(toks):
                 raise ValueError(f"num_positions={n} for a sequence of {len(toks)} tokens")
-            have = self.tokens[r]
-            keep = min(common_prefix(have, toks), len(toks) - n)
-            if keep < len(have):
-                dropped = self.cols[r][keep:]
-                drop_rows.extend([r] * len(dropped))
-                drop_cols.extend(dropped)
-                del self.cols[r][keep:]
-                del have[keep:]
-            news.append(toks[keep:])
+            keep = min(held, len(self.tokens[r]), len(toks) - n)
+            dropped = self.cols[r][keep:]
+            drop_rows.extend([r] * len(dropped))
+            drop_cols.extend(dropped)
+            del self.cols[r][keep:], self.tokens[r][keep:]
+            news.append(list(toks[keep:]))
         if drop_rows:
+            dev = self.device
             self.valid[torch.tensor(drop_rows, device=dev), torch.tensor(drop_cols, device=dev)] = False
         return news
 
     def _settle(self, rows: list[int], token_ids) -> None:
         """Resolve the pending trees of these rows against the tokens they are handed now
-        (:func:`~workers.kvcache.settled_path`): each keeps the path its sequence took, moved to
-        the columns right after its tail, and drops its other nodes; then ``used`` shrinks to
-        the last column any row still holds."""
+        (:func:`~workers.trees.accepted_path`; None: drop the tree): each keeps the path its
+        sequence took, moved to the columns right after its tail, and drops its other nodes;
+        then ``used`` shrinks to the last column any row still holds."""
         move_rows, move_from, move_to, drop_rows, drop_cols = [], [], [], [], []
         for r, toks in zip(rows, token_ids):
             tree = self.trees.pop(r, None)
             if tree is None:
                 continue
-            path = settled_path(tree.tokens, tree.parents, self.tokens[r], list(toks))
+            path = [] if toks is None else accepted_path(tree.tokens, tree.parents, toks, len(self.tokens[r]))
             for j, i in enumerate(path):
                 if i != j:
                     move_rows.append(r)

@@ -27,8 +27,10 @@ there with it. The driver's :class:`RayHeadWorker` names the head in every call 
 wire.
 
 Faults. Actors restart up to ``ray.max_restarts`` times and Ray re-runs the interrupted call on
-the new actor, which rebuilds its cache from the full sequence (the worker reconciles its cache
-on every call), so the request completes with the same tokens. A level that stays down raises
+the new actor, which rebuilds its cache from the full sequence (a fresh worker holds nothing,
+whatever the engine says it held: ``Worker.hold`` only drops), so the request completes with the
+same tokens. The engine's ``hold`` goes with a sequence's next call (:meth:`RayWorker.hold`), no
+call of its own; the wire sends each call the tokens after those the actor was last sent. A level that stays down raises
 :class:`~cascade.errors.WorkerError` naming it: the engine continues without a draft level and
 fails with the committed prefix if it is the authority.
 """
@@ -54,7 +56,7 @@ from cascade.errors import TopologyError, WorkerError
 from cascade.sampling import Sampling
 from cascade.topology import LevelSpec, Topology
 from policies.base import StopRule
-from workers.base import Draft, Worker, common_prefix
+from workers.base import Draft, Worker
 
 log = logging.getLogger(__name__)
 
@@ -145,18 +147,25 @@ class LevelActor:
     def _worker(self, level: str | None) -> Worker:
         return self.workers[level or self.build.level.name]
 
-    def _sequences(self, seq_ids, keeps, suffixes, level: str | None = None) -> list[list[int]] | None:
-        """Rebuild the full sequences from (kept prefix length, new tokens); None: resend all."""
-        held = self.tokens[level or self.build.level.name]
+    def _sequences(self, seq_ids, keeps, suffixes, held, level: str | None = None) -> list[list[int]] | None:
+        """Rebuild the full sequences from (kept prefix length, new tokens), and tell the worker
+        what the engine says it holds of them (``held``: ``{seq_id: positions}``, Worker.hold);
+        None: resend all."""
+        sent = self.tokens[level or self.build.level.name]
         out = []
         for seq, keep, suffix in zip(seq_ids, keeps, suffixes):
-            known = held.get(seq, [])
+            known = sent.get(seq, [])
             if keep > len(known):
                 return None  # this actor restarted (or never saw the sequence)
             tokens = known[:keep] + suffix
-            held[seq] = tokens
+            sent[seq] = tokens
             out.append(tokens)
+        self._hold(level, held)
         return out
+
+    def _hold(self, level: str | None, held: dict[str, int]) -> None:
+        if held:
+            self._worker(level).hold(list(held), list(held.values()))
 
     def _sampling(self, fields: dict[str, Any]) -> Sampling:
         """The :class:`Sampling` a call sent as ``Sampling.model_dump()``, validated once per kind."""
@@ -166,23 +175,23 @@ class LevelActor:
             found = self._samplings[key] = Sampling.model_validate(fields)
         return found
 
-    def score(self, seq_ids, keeps, suffixes, num_positions, level: str | None = None):
-        seqs = self._sequences(seq_ids, keeps, suffixes, level)
+    def score(self, seq_ids, keeps, suffixes, held, num_positions, level: str | None = None):
+        seqs = self._sequences(seq_ids, keeps, suffixes, held, level)
         if seqs is None:
             return None
         return [pack_rows(r) for r in self._worker(level).score(seq_ids, seqs, num_positions)]
 
-    def score_probs(self, seq_ids, keeps, suffixes, num_positions, sampling: dict[str, Any],
+    def score_probs(self, seq_ids, keeps, suffixes, held, num_positions, sampling: dict[str, Any],
                     level: str | None = None):
-        seqs = self._sequences(seq_ids, keeps, suffixes, level)
+        seqs = self._sequences(seq_ids, keeps, suffixes, held, level)
         if seqs is None:
             return None
         rows = self._worker(level).score_probs(seq_ids, seqs, num_positions, self._sampling(sampling))
         return [pack_rows(r) for r in rows]
 
-    def draft(self, seq_ids, keeps, suffixes, max_tokens, sampling: dict[str, Any], uniforms,
+    def draft(self, seq_ids, keeps, suffixes, held, max_tokens, sampling: dict[str, Any], uniforms,
               stop: StopRule | None, level: str | None = None):
-        seqs = self._sequences(seq_ids, keeps, suffixes, level)
+        seqs = self._sequences(seq_ids, keeps, suffixes, held, level)
         if seqs is None:
             return None
         uniforms = [from_bytes(u, torch.float64) for u in uniforms]
@@ -191,37 +200,39 @@ class LevelActor:
         return [(d.tokens, pack_rows(d.probs), d.forward_passes,
                  {f.name: getattr(d, f.name) for f in dataclasses.fields(d)[3:]}) for d in drafts]
 
-    def score_tree(self, seq_ids, keeps, suffixes, trees, level: str | None = None):
-        seqs = self._sequences(seq_ids, keeps, suffixes, level)
+    def score_tree(self, seq_ids, keeps, suffixes, held, trees, level: str | None = None):
+        seqs = self._sequences(seq_ids, keeps, suffixes, held, level)
         if seqs is None:
             return None
         return [pack_rows(r) for r in self._worker(level).score_tree(seq_ids, seqs, trees)]
 
-    def score_tree_probs(self, seq_ids, keeps, suffixes, trees, sampling: dict[str, Any], level: str | None = None):
-        seqs = self._sequences(seq_ids, keeps, suffixes, level)
+    def score_tree_probs(self, seq_ids, keeps, suffixes, held, trees, sampling: dict[str, Any],
+                         level: str | None = None):
+        seqs = self._sequences(seq_ids, keeps, suffixes, held, level)
         if seqs is None:
             return None
         rows = self._worker(level).score_tree_probs(seq_ids, seqs, trees, self._sampling(sampling))
         return [pack_rows(r) for r in rows]
 
-    def draft_tree(self, seq_ids, keeps, suffixes, widths, level: str | None = None):
-        seqs = self._sequences(seq_ids, keeps, suffixes, level)
+    def draft_tree(self, seq_ids, keeps, suffixes, held, widths, level: str | None = None):
+        seqs = self._sequences(seq_ids, keeps, suffixes, held, level)
         if seqs is None:
             return None
         # (tokens, parents) per sequence: lists of ints, as Worker.draft_tree returns them
         grown = self._worker(level).draft_tree(seq_ids, seqs, widths)
         return [(list(tokens), list(parents)) for tokens, parents in grown]
 
-    def hand_features(self, seq_ids, keeps, suffixes, ends, level: str | None = None):
+    def hand_features(self, seq_ids, keeps, suffixes, held, ends, source_held, level: str | None = None):
         """The engine's hand-off to the head ``level`` (:func:`workers.head.hand_features`), from
         this actor's own worker, here: the indices of the sequences whose features it asked for
         (after a restart the source recomputes what it no longer holds)."""
-        seqs = self._sequences(seq_ids, keeps, suffixes, level)
+        seqs = self._sequences(seq_ids, keeps, suffixes, held, level)
         if seqs is None:
             return None
         head = self._worker(level)
         if head.features_of != self.build.level.name:
             raise ValueError(f"hand_features: {level!r} is not a head reading {self.build.level.name!r}")
+        self._hold(None, source_held)
         return [int(b) for b in head.hand_off(self.worker, seq_ids, seqs, ends)]
 
     def release(self, seq_ids, level: str | None = None):
@@ -253,6 +264,7 @@ class RayWorker(Worker):
         self.call_timeout_s = call_timeout_s
         self.wire = WireStats()
         self._sent: dict[str, list[int]] = {}  # what the actor was last sent, per sequence
+        self._held: dict[str, int] = {}  # what the engine says the level holds, for the next call (hold)
 
     # Worker interface ------------------------------------------------------------------------
 
@@ -299,9 +311,14 @@ class RayWorker(Worker):
         self.wire.received += sum(4 * (len(tokens) + len(parents)) + 8 for tokens, parents in grown)
         return [(list(tokens), list(parents)) for tokens, parents in grown]
 
+    def hold(self, seq_ids, held) -> None:
+        """Sent with the sequences' next call (no call of its own): the actor's worker holds them first."""
+        self._held.update(zip(seq_ids, (int(n) for n in held)))
+
     def release(self, seq_ids: Sequence[str]) -> None:
         for s in seq_ids:
             self._sent.pop(s, None)
+            self._held.pop(s, None)
         try:  # fire and forget: a dead actor has nothing left to release
             self.actor.release.options(max_task_retries=0).remote(list(seq_ids), level=self.name)
         except Exception:  # noqa: BLE001
@@ -336,17 +353,20 @@ class RayWorker(Worker):
         does not hold the prefix (it restarted), send the whole sequences once more."""
         seq_ids = list(seq_ids)
         seqs = [list(t) for t in token_ids]
-        keeps = [common_prefix(self._sent.get(s, []), t) for s, t in zip(seq_ids, seqs)]
+        keeps = [_common_prefix(self._sent.get(s, []), t) for s, t in zip(seq_ids, seqs)]
+        held = {s: self._held.pop(s) for s in seq_ids if s in self._held}
         for attempt in range(2):
             suffixes = [t[k:] for k, t in zip(keeps, seqs)]  # a few small ints: a list pickles fastest
-            self.wire.sent += sum(4 * len(a) + 8 for a in suffixes) + 8 * len(seq_ids) + 24
+            self.wire.sent += sum(4 * len(a) + 8 for a in suffixes) + 8 * (len(seq_ids) + len(held)) + 24
             try:
-                result = self._call(method, seq_ids, keeps, suffixes, *args)
+                result = self._call(method, seq_ids, keeps, suffixes, held, *args)
             except WorkerError:
                 # The call may still run late on the actor and change what it holds: next
                 # time, send the whole sequences.
                 for s in seq_ids:
                     self._sent.pop(s, None)
+                for s, n in held.items():  # said again with the next call
+                    self._held.setdefault(s, n)
                 raise
             if result is not None:
                 for s, t in zip(seq_ids, seqs):
@@ -404,13 +424,23 @@ class RayHeadWorker(RayWorker):
             raise ValueError(f"level {self.name!r}: a feature head under Ray takes the features of the level "
                              f"whose actor it lives in ({self.features_of!r}), not of {other!r}")
         ends = [int(e) for e in ends]
-        self.wire.sent += 4 * len(ends)
-        asked = self._call_seqs("hand_features", seq_ids, token_ids, ends)
+        source_held, source._held = source._held, {}  # what the source computes from (Engine._hand_features)
+        self.wire.sent += 4 * len(ends) + 8 * len(source_held)
+        asked = self._call_seqs("hand_features", seq_ids, token_ids, ends, source_held)
         self.wire.received += 4 * len(asked) + 8
         return list(asked)
 
     def close(self) -> None:
         self._sent.clear()  # the actor is its source level's, closed with it
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How much of the list last sent (``a``) the next (``b``) repeats: the wire sends the rest.
+    The wire's own delta encoding; what a worker holds is the engine's to say (Worker.hold)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 # -- placement and lifecycle ---------------------------------------------------------------------
