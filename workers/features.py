@@ -8,14 +8,12 @@ transformers' ``output_hidden_states`` gives as ``hidden_states[k]``). The level
 anyway while it scores; :class:`FeatureStore` keeps them per sequence, so that handing them to
 the head costs no extra pass.
 
-The store follows the worker's KV cache by positions, not by cache columns: per sequence, the
-tokens whose features it holds and one feature row per token (row ``i``: the hidden state after
-reading tokens ``0..i``, which predicts token ``i + 1``). It keeps what the cache keeps
-(:meth:`FeatureStore.hold`, told by the engine as the cache is), and every pass records what it
-fed after the prefix the cache held (:meth:`FeatureStore.record`), so a rejected block leaves no
-feature behind. A scored tree's nodes wait as pending, as in the cache, until the sequence's next
-call settles them: the accepted path's rows stay, the other nodes' go
-(:func:`workers.trees.accepted_path`).
+The store follows the worker's KV cache by positions: per sequence, the tokens whose features it
+holds and one feature row per token (row ``i``: the hidden state after reading tokens ``0..i``,
+which predicts token ``i + 1``). It keeps what the cache keeps (:meth:`FeatureStore.hold`), and
+every pass records what it fed after the cache's prefix (:meth:`FeatureStore.record`), so a
+rejected block leaves no feature behind. A scored tree's nodes wait as pending, as in the cache,
+until the sequence's next call settles them (:func:`workers.trees.accepted_path`).
 """
 from __future__ import annotations
 
@@ -122,8 +120,7 @@ class FeatureStore:
         return held.rows[start:end].clone()
 
     def hold(self, seq_ids: Sequence[str], held: Sequence[int]) -> None:
-        """Keep each sequence's features of its first ``held[b]`` positions (:meth:`Worker.hold
-        <workers.base.Worker.hold>`); a pending tree after more goes."""
+        """:meth:`workers.kvcache.KVCache.hold`, for the features."""
         for s, n in zip(seq_ids, held):
             kept = self.seqs.get(s)
             if kept is not None:

@@ -44,8 +44,7 @@ class KVCache(abc.ABC):
 
     @abc.abstractmethod
     def hold(self, seq_ids: Sequence[str], held: Sequence[int]) -> None:
-        """:meth:`Worker.hold <workers.base.Worker.hold>`: keep each sequence's first ``held[b]``
-        positions (a pending tree after them stays; one after more goes)."""
+        """Keep each sequence's first ``held[b]`` positions (:meth:`Worker.hold <workers.base.Worker.hold>`)."""
 
     @abc.abstractmethod
     def release(self, seq_ids: Sequence[str]) -> None:
