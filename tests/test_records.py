@@ -53,6 +53,33 @@ def test_records_hold_the_authoritys_own_top_k(recorded):
     assert torch.equal(torch.load(again / "shard-00001.pt", weights_only=False)["tokens"], shard["tokens"])
 
 
+def test_grouped_shards_equal_shards_one_at_a_time_and_resume(recorded, tmp_path):
+    """--group: shards generated together (the batch's places shared across them) are the shards
+    generated one at a time, token for token; a resumed run fills in only the missing ones."""
+    root, authority, tok = recorded
+    common = ["record", "--model", str(authority), "--sequences", "24", "--batch", "4", "--user-tokens", "8",
+              "--answer-tokens", "24", "--top-k", "8", "--dtype", "float32", "--corpus", str(root / "code"),
+              "--code-share", "0.5", "--out", str(tmp_path / "one")]
+    assert main(common + ["--group", "1"]) == 0
+    names = [f"shard-{i:05d}.pt" for i in range(6)]
+
+    def same(name):
+        a, b = (torch.load(d / name, weights_only=False) for d in (root / "rec", tmp_path / "one"))
+        return (torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["lengths"], b["lengths"])
+                and a["kinds"] == b["kinds"] and a["temperature"] == b["temperature"])
+
+    assert all(same(name) for name in names)  # the fixture's shards: --group 3 (the default)
+    for name in names[2::2]:
+        (tmp_path / "one" / name).unlink()
+    written = {n: (tmp_path / "one" / n).stat().st_mtime_ns for n in names[1::2]}
+    assert main(common + ["--group", "4"]) == 0
+    assert all(same(name) for name in names)
+    assert written == {n: (tmp_path / "one" / n).stat().st_mtime_ns for n in names[1::2]}  # not written again
+    assert len(json.loads((tmp_path / "one" / "record.json").read_text())["shards"]) == 6
+    with pytest.raises(SystemExit, match="--group"):
+        main(common + ["--group", "0"])
+
+
 def test_distilled_trimmed_drafter_loads_and_keeps_greedy_identity(recorded, tmp_path):
     from transformers import AutoModelForCausalLM
 

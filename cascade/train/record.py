@@ -7,13 +7,16 @@ the user turn asks about a snippet of Python from the training corpus (never the
 packages), and the authority answers. Batches cycle through sampling temperatures (1.0, 0.7 and
 greedy), so the drafters see the text that sampled and greedy decoding produce.
 
-Generation runs through cascade itself (continuous batching: every forward pass covers all of a
-shard's conversations in flight, and its samples are exact), over a one-level topology of the
-authority or over ``--topology`` (a hierarchy whose drafters speed it up). Then one pass over each
-finished conversation records the top-k of the authority's next-token log-probabilities at
-temperature 1 at every position. Shards (``shard-NNNNN.pt``, one batch each) are resumable: an
-interrupted run starts again at the first missing one, and a finished one can be extended with a
-larger ``--sequences``.
+Generation runs through cascade itself (continuous batching: every forward pass covers all the
+conversations in flight, and its samples are exact), over a one-level topology of the authority
+or over ``--topology`` (a hierarchy whose drafters speed it up). ``--batch`` conversations stay in
+flight across shards: ``--group`` shards are open at once, and a conversation that ends gives its
+place to the next, so the batch does not drain at each shard's end (:func:`generate_shards`).
+Then one pass over each finished conversation records the top-k of the authority's next-token
+log-probabilities at temperature 1 at every position. Shards (``shard-NNNNN.pt``, ``--batch``
+conversations each, a pure function of (seed, index, batch) whatever the grouping) are
+resumable: an interrupted run generates only the missing ones, and a finished one can be
+extended with a larger ``--sequences``.
 
 ``--keep DIR`` also writes each shard's token ids alone, compressed (``shard-NNNNN.npz``, ~1 byte
 a token): small enough to keep in a repository. A shard found there is not generated again, only
@@ -52,6 +55,9 @@ def add_parser(sub) -> None:
     p.add_argument("--sequences", type=int, default=4096, help="total sequences to have recorded")
     p.add_argument("--batch", type=int, default=48,
                    help="sequences per shard, all generated together (continuous batching)")
+    p.add_argument("--group", type=int, default=3,
+                   help="shards open at once: their conversations share the --batch places, so the batch stays "
+                        "full across shards instead of draining at each one's end")
     p.add_argument("--code-share", type=float, default=0.3, help="share of sequences about corpus code")
     p.add_argument("--corpus", default="manifest:examples/models/CORPUS.tsv",
                    help="where code snippets come from (a corpus spec of cascade distill)")
@@ -69,6 +75,8 @@ def add_parser(sub) -> None:
 def _run(args) -> int:
     import torch
 
+    if args.group < 1 or args.batch < 1:
+        raise SystemExit(f"cascade record: --group and --batch must be at least 1 (got {args.group}, {args.batch})")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -84,41 +92,50 @@ def _run(args) -> int:
         "user_tokens": args.user_tokens, "answer_tokens": args.answer_tokens,
         "temperatures": TEMPERATURES, "torch": torch.__version__, "shards": {}}
     shards = -(-args.sequences // args.batch)
-    generator = None
+    missing = [i for i in range(shards) if not (out / f"shard-{i:05d}.pt").is_file()]
+    kept = {i: keep / f"shard-{i:05d}.npz" for i in missing if keep is not None}
+    kept = {i: path for i, path in kept.items() if path.is_file()}
+    for index, path in kept.items():
+        started = time.perf_counter()
+        ids = load_ids(path)
+        _write(out, meta, index, ids, model, args, "scored from " + str(path), started, started, shards)
+    todo = [i for i in missing if i not in kept]
+    if not todo:
+        return 0
+    generator = _generator(args, out)
     try:
-        for index in range(shards):
-            path = out / f"shard-{index:05d}.pt"
-            if path.is_file():
-                continue
-            kept = keep / path.with_suffix(".npz").name if keep is not None else None
+        started = time.perf_counter()
+        for index, ids in generate_shards(generator, tok, todo, args, snippets, args.group):
+            if keep is not None:
+                save_ids(ids, keep / f"shard-{index:05d}.npz")
+            generated = time.perf_counter()
+            _write(out, meta, index, ids, model, args, "generated", started, generated, shards)
             started = time.perf_counter()
-            if kept is not None and kept.is_file():
-                ids = load_ids(kept)
-                how = "scored from " + str(kept)
-            else:
-                generator = generator or _generator(args, out)
-                ids = generate_batch(generator, tok, index, args, snippets)
-                how = "generated"
-                if kept is not None:
-                    save_ids(ids, kept)
-            generated = time.perf_counter() - started
-            shard = {**ids, **score(model, ids["tokens"], ids["lengths"], args.top_k)}
-            torch.save(shard, path.with_suffix(".tmp"))
-            path.with_suffix(".tmp").rename(path)
-            took = time.perf_counter() - started
-            tokens = int(shard["lengths"].sum())
-            meta["shards"][path.name] = {"tokens": tokens, "seconds": round(took, 1), "how": how.split()[0],
-                                         "generate_seconds": round(generated, 1),
-                                         "temperature": shard["temperature"]}
-            meta_path.write_text(json.dumps(meta, indent=1) + "\n")
-            total = sum(s["tokens"] for s in meta["shards"].values())
-            print(f"{path.name}: {len(shard['lengths'])} sequences, {tokens} tokens {how} in {took:.0f} s "
-                  f"({tokens / max(took, 1e-9):.0f} tokens/s; T={shard['temperature']}); "
-                  f"{len(meta['shards'])}/{shards} shards, {total:,} tokens", flush=True)
     finally:
-        if generator is not None:
-            generator.close()
+        generator.close()
     return 0
+
+
+def _write(out: Path, meta: dict, index: int, ids: dict, model, args, how: str, started: float, generated: float,
+           shards: int) -> None:
+    """Score a shard's conversations, write it, and account for it in ``record.json``; its
+    seconds run from ``started`` (the previous shard written) through generation and scoring."""
+    import torch
+
+    path = out / f"shard-{index:05d}.pt"
+    shard = {**ids, **score(model, ids["tokens"], ids["lengths"], args.top_k)}
+    torch.save(shard, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    took = time.perf_counter() - started
+    tokens = int(shard["lengths"].sum())
+    meta["shards"][path.name] = {"tokens": tokens, "seconds": round(took, 1), "how": how.split()[0],
+                                 "generate_seconds": round(generated - started, 1),
+                                 "temperature": shard["temperature"]}
+    (out / "record.json").write_text(json.dumps(meta, indent=1) + "\n")
+    total = sum(s["tokens"] for s in meta["shards"].values())
+    print(f"{path.name}: {len(shard['lengths'])} sequences, {tokens} tokens {how} in {took:.0f} s "
+          f"({tokens / max(took, 1e-9):.0f} tokens/s; T={shard['temperature']}); "
+          f"{len(meta['shards'])}/{shards} shards, {total:,} tokens", flush=True)
 
 
 def _device(name: str) -> str:
@@ -174,63 +191,142 @@ def _snippets(corpus: str, seed: int) -> list[str]:
     return out
 
 
-def generate_batch(cascade, tok, index: int, args, snippets: list[str]) -> dict:
-    """One shard's conversations, as token ids: a pure function of (seed, shard index, batch)
-    up to the rounding of the forward pass (bf16 passes of other widths may break a near-tie)."""
-    import torch
-
+def plan_shard(index: int, args, snippets: list[str]) -> dict:
+    """What shard ``index`` asks for, before anything is generated: its temperature, the code
+    questions, how many user turns the authority writes, and the seeds of its two generations
+    (prompt ``i`` of each draws with ``seed + i``). A pure function of (seed, index, batch)."""
     rng = random.Random(f"{args.seed}:{index}")
     temperature = TEMPERATURES[index % len(TEMPERATURES)]
     n_code = sum(rng.random() < args.code_share for _ in range(args.batch)) if snippets else 0
     users = [rng.choice(CODE_ASKS).format(code=rng.choice(snippets)) for _ in range(n_code)]
-    users += _user_turns(cascade, tok, args.batch - n_code, args.user_tokens, temperature, rng.getrandbits(31))
-    prompts = [tok.apply_chat_template([{"role": "user", "content": u}], tokenize=False, add_generation_prompt=True)
-               for u in users]
-    sequences = _generate(cascade, tok, prompts, args.answer_tokens, temperature, rng.getrandbits(31))
-    return {"tokens": torch.cat([torch.tensor(s, dtype=torch.int32) for s in sequences]),
-            "lengths": torch.tensor([len(s) for s in sequences], dtype=torch.int32),
-            "kinds": ["code"] * n_code + ["chat"] * (args.batch - n_code), "temperature": temperature}
+    user_seed = rng.getrandbits(31)
+    return {"index": index, "temperature": temperature, "code": users, "chats": args.batch - n_code,
+            "user_seed": user_seed, "answer_seed": rng.getrandbits(31)}
 
 
-def _generate(cascade, tok, prompts: list[str], max_new: int, temperature: float, seed: int) -> list[list[int]]:
-    """Each prompt's tokens followed by what the model wrote (cut after its end of turn), all
-    prompts in flight together; prompt ``i`` draws with ``seed + i``."""
-    end = tok.convert_tokens_to_ids(END_OF_TURN)
-    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    done = cascade.generate(ids, max_new_tokens=max_new, temperature=temperature, top_k=0, top_p=1.0,
-                            seed=seed, batch_size=len(ids))
-    rows = []
-    for prompt, gen in zip(ids, done):
-        new = list(gen.token_ids)
-        if end in new:
-            new = new[:new.index(end) + 1]
-        rows.append(prompt + new)
-    return rows
+def generate_shards(cascade, tok, indices: list[int], args, snippets: list[str], group: int = 1):
+    """Yield ``(index, ids)`` for each shard of ``indices`` as it is finished, ``--batch``
+    conversations in flight all along (continuous batching across shards).
 
-
-def _user_turns(cascade, tok, n: int, max_new: int, temperature: float, seed: int) -> list[str]:
-    """User messages the authority writes itself, sampled after the user turn's header."""
-    if n == 0:
-        return []
+    Up to ``group`` shards are open at once, taken in the order of their temperature, then index
+    (shards of one temperature share the authority's passes; a pass serves one sampling
+    configuration). An open shard's user turns run first, then its answers; the places of those
+    that end go to the next waiting ones (earliest opened shard first), so the batch no longer
+    drains at each shard's end, only at the run's. Every request keeps its shard's seed
+    (:func:`plan_shard`), so a shard's tokens do not depend on the grouping, up to the rounding
+    of the forward pass (bf16 passes of other widths may break a near-tie)."""
     header = tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False)
     header = header[:header.rindex(END_OF_TURN)]
-    texts = []
-    for row in _generate(cascade, tok, [header] * n, max_new, max(temperature, 0.8), seed):
-        text = tok.decode(row, skip_special_tokens=False)[len(header):].replace(END_OF_TURN, "").strip()
-        texts.append(text or "Hello!")
-    return texts
+    waiting = sorted(indices, key=lambda i: (i % len(TEMPERATURES), i))
+    shards: list[_Shard] = []
+    batch = cascade.batch()
+    flight: dict[int, tuple[_Shard, int]] = {}
+    try:
+        while waiting or shards:
+            while waiting and len(shards) < group:
+                shards.append(_Shard(plan_shard(waiting.pop(0), args, snippets), tok, header, args))
+            _admit(cascade, batch, shards, flight, args.batch)
+            before = list(batch.active)
+            batch.step()
+            for state in before:
+                if state.finish_reason is not None:
+                    shard, i = flight.pop(id(state))
+                    shard.finished(i, list(cascade.result(state).token_ids))
+            for shard in [s for s in shards if s.done]:
+                shards.remove(shard)
+                yield shard.plan["index"], shard.ids()
+    finally:
+        batch.close()
 
 
-def score(model, tokens, lengths, k: int, chunk: int = 8) -> dict:
+def _admit(cascade, batch, shards: list, flight: dict, places: int) -> None:
+    """Fill the batch's free places from the open shards' waiting requests, earliest shard first.
+    A pass serves one sampling configuration, so each configuration in flight costs a pass a
+    step: a request of a configuration not in flight waits while the batch is at least half
+    full (it joins as the others drain, when their passes are mostly overhead)."""
+    for shard in shards:
+        while shard.queue and len(batch.active) < places:
+            flying = {state.request.sampling.temperature for state in batch.active}
+            if shard.config() not in flying and 2 * len(batch.active) >= places:
+                break
+            i, state = shard.request(cascade)
+            flight[id(batch.add(state))] = (shard, i)
+
+
+class _Shard:
+    """One shard's requests: its user turns (sampled after the user turn's header, at a
+    temperature of 0.8 at least), then its answers; each row cut after its end of turn."""
+
+    def __init__(self, plan: dict, tok, header: str, args):
+        self.plan, self.tok, self.header, self.args = plan, tok, header, args
+        self.end = tok.convert_tokens_to_ids(END_OF_TURN)
+        self.users = list(plan["code"])
+        self.rows: list[list[int] | None] = []
+        self.answering = False
+        self.done = False
+        self._jobs([header] * plan["chats"], args.user_tokens)
+        if not plan["chats"]:
+            self._answer()
+
+    def _jobs(self, prompts: list[str], max_new: int) -> None:
+        self.prompts = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        self.rows = [None] * len(prompts)
+        self.queue = list(range(len(prompts)))
+        self.max_new = max_new
+
+    def config(self) -> float:
+        """The temperature of the requests it has waiting (they share the rest)."""
+        return self.plan["temperature"] if self.answering else max(self.plan["temperature"], 0.8)
+
+    def request(self, cascade):
+        i = self.queue.pop(0)
+        seed = self.plan["answer_seed"] if self.answering else self.plan["user_seed"]
+        return i, cascade.request(self.prompts[i], max_new_tokens=self.max_new, temperature=self.config(),
+                                  top_k=0, top_p=1.0, seed=seed + i)
+
+    def finished(self, i: int, new: list[int]) -> None:
+        if self.end in new:
+            new = new[:new.index(self.end) + 1]
+        self.rows[i] = self.prompts[i] + new
+        if any(row is None for row in self.rows):
+            return
+        if self.answering:
+            self.done = True
+            return
+        for row in self.rows:
+            text = self.tok.decode(row, skip_special_tokens=False)[len(self.header):]
+            self.users.append(text.replace(END_OF_TURN, "").strip() or "Hello!")
+        self._answer()
+
+    def _answer(self) -> None:
+        self.answering = True
+        self._jobs([self.tok.apply_chat_template([{"role": "user", "content": u}], tokenize=False,
+                                                 add_generation_prompt=True) for u in self.users],
+                   self.args.answer_tokens)
+
+    def ids(self) -> dict:
+        import torch
+
+        n_code = len(self.plan["code"])
+        return {"tokens": torch.cat([torch.tensor(s, dtype=torch.int32) for s in self.rows]),
+                "lengths": torch.tensor([len(s) for s in self.rows], dtype=torch.int32),
+                "kinds": ["code"] * n_code + ["chat"] * self.plan["chats"], "temperature": self.plan["temperature"]}
+
+
+def score(model, tokens, lengths, k: int, chunk: int | None = None) -> dict:
     """The model's top-k next-token log-probabilities (temperature 1) at every position but the
     last of each sequence, packed like the tokens: ``topk_ids`` / ``topk_logprobs`` of shape
     ``[sum(lengths) - len(lengths), k]``.
 
-    Sequences go through in right-padded chunks (padding after a row changes nothing before it
-    under the causal mask); only each row's real positions are kept."""
+    Sequences go through ``chunk`` at a time, right-padded (padding after a row changes nothing
+    before it under the causal mask); only each row's real positions are kept. Default: one a
+    pass on a CPU, where chunks of 8 were 1.4x slower on one thread (the pads' work and the
+    masked attention; docs/results-log.md, 2026-12-07) and their top-k no closer to float32's;
+    8 elsewhere (an accelerator wants wide passes)."""
     import torch
 
-    sequences = list(torch.split(tokens.long(), lengths.tolist()))
+    chunk = chunk or (1 if model.device.type == "cpu" else 8)
+    sequences = [s for s in torch.split(tokens.long(), lengths.tolist()) if len(s) > 1]
     ids, logp = [], []
     with torch.inference_mode():
         for start in range(0, len(sequences), chunk):
@@ -241,7 +337,8 @@ def score(model, tokens, lengths, k: int, chunk: int = 8) -> dict:
             for r, s in enumerate(part):
                 batch[r, :len(s)] = s
                 mask[r, :len(s)] = 1
-            logits = model(input_ids=batch.to(model.device), attention_mask=mask.to(model.device)).logits
+            masked = {"attention_mask": mask.to(model.device)} if len(part) > 1 else {}
+            logits = model(input_ids=batch.to(model.device), **masked).logits
             for r, s in enumerate(part):
                 top = torch.log_softmax(logits[r, :len(s)].float(), -1).topk(k, dim=-1)
                 ids.append(top.indices.to(torch.int32).cpu())
