@@ -89,8 +89,7 @@ class EscalationParams(CostParams):
     reprice_every: Positive = Field(8, description="Plans one pricing of the paths serves (a probe round reprices).")
     realized_after: Weight = Field(
         16.0, description="Sequence-steps of a drafting path measured at a batch size after which, if its measured "
-        "seconds per committed token are not draft_margin below the authority alone's, the authority decodes alone "
-        "(0: never).")
+        "seconds per committed token exceed the authority alone's, the authority decodes alone (0: never).")
     realized_decay: Unit = Field(0.99, description="Per sequence-step decay of the measured seconds per token.")
 
 
@@ -490,16 +489,15 @@ class EscalationPolicy(CostAwarePolicy):
 
     def _paying(self, ctx: PlanContext, path: Path, priced: dict) -> Path:
         """``path``, unless it drafts and its steps, measured at this batch size (after
-        ``realized_after`` sequence-steps), are not ``draft_margin`` cheaper per committed token
-        than the authority alone's (measured, or priced): then the authority alone. A price is a model and can
+        ``realized_after`` sequence-steps), cost more per committed token than the authority
+        alone does (measured, or priced): then the authority alone. A price is a model and can
         miss a cost; the outcome decides between drafting and not (only that: measured paths
         against priced ones would flee whatever was measured last)."""
         alone = (ctx.authority,)
         measured = self._realized(ctx, path)
         if len(path) < 2 or alone not in priced or measured is None:
             return path
-        return alone if measured * (1 + self.params.draft_margin) > (self._realized(ctx, alone) or priced[alone][0]) \
-            else path
+        return alone if measured > (self._realized(ctx, alone) or priced[alone][0]) else path
 
     def _realized(self, ctx: PlanContext, path: Path) -> float | None:
         """Seconds per committed token ``path``'s steps measured at this batch size, if measured
