@@ -205,6 +205,25 @@ def test_several_row_passes_through_prepacked_weights_keep_float32_products(with
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_products_side_by_side_are_each_modules_product():
+    """Linear layers reading the same input, multiplied as one over their weights side by side
+    (``_linear_op`` of several modules, as the lean forward runs q/k/v and gate/up), give each
+    module's own product once split back, a missing bias beside a present one adding nothing."""
+    from workers.lean import _linear_op
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        modules = [torch.nn.Linear(64, n, bias=b).to(dtype) for n, b in ((48, True), (16, False), (32, True))]
+        for pack in (False, True):
+            joined = _linear_op(modules, pack=pack)
+            for rows in (1, 2, 5):
+                x = torch.randn(rows, 64).to(dtype)
+                with torch.inference_mode():
+                    got = joined(x).split([48, 16, 32], -1)
+                    for module, part in zip(modules, got):
+                        torch.testing.assert_close(part.float(), module(x).float(), rtol=2e-2, atol=2e-2)
+
+
 def test_bfloat16_products_come_from_prepacked_copies():
     """In bfloat16, where oneDNN computes it natively, every product of the lean forward and of a
     small level's own layers (``own_product``) comes from a copy prepacked once, at any size and

@@ -103,7 +103,15 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         linear = lambda *modules, plain=linear: quantized(modules, plain(*modules))  # noqa: E731
     if batch_invariant:
         linear = lambda *modules, plain=linear: _two_rows_at_least(plain(*modules))  # noqa: E731
-    products = lambda *modules: [linear(*modules)] if joined else [linear(m) for m in modules]  # noqa: E731
+
+    def outputs(*modules) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+        """``x -> [module(x) for module in modules]``: one product of them all side by side
+        (:func:`_linear_op`), split back, where ``joined``; else one product each."""
+        if not joined:
+            products = [linear(m) for m in modules]
+            return lambda x: [product(x) for product in products]
+        product, sizes = linear(*modules), [m.weight.shape[0] for m in modules]
+        return lambda x: product(x).split(sizes, -1)
     inner = model.model
     decoder = list(inner.layers[: model.config.num_hidden_layers])
     attn = decoder[0].self_attn
@@ -128,10 +136,9 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     # a small model's matrix product); the ops below are the modules' own, in their order.
     weights = [(
         _norm(layer.input_layernorm),
-        _outputs(products(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                 [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+        outputs(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
         linear(layer.self_attn.o_proj), _norm(layer.post_attention_layernorm),
-        _outputs(products(layer.mlp.gate_proj, layer.mlp.up_proj), [layer.mlp.gate_proj, layer.mlp.up_proj]),
+        outputs(layer.mlp.gate_proj, layer.mlp.up_proj),
         linear(layer.mlp.down_proj), layer.mlp.act_fn,
         tuple(_norm(m) for m in _head_norms(layer.self_attn)) or None,
     ) for layer in decoder]
@@ -402,15 +409,6 @@ def _linear_op(modules: Sequence, pack: bool) -> Callable[[torch.Tensor], torch.
     """The product of ``modules`` (linear layers reading the same input) as one function, their
     outputs side by side (:func:`workers.kernels.products.linear_product`)."""
     return linear_product(*side_by_side(modules), pack)
-
-
-def _outputs(products: list, modules: list) -> Callable[[torch.Tensor], list[torch.Tensor]]:
-    """``x -> [module(x) for module in modules]`` from ``products``: one per module, or one of
-    them all side by side (:func:`_linear_op`), split back."""
-    if len(products) == len(modules):
-        return lambda x: [product(x) for product in products]
-    sizes = [m.weight.shape[0] for m in modules]
-    return lambda x: products[0](x).split(sizes, -1)
 
 
 def _packable(model) -> bool:
