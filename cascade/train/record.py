@@ -320,8 +320,8 @@ def score(model, tokens, lengths, k: int, chunk: int | None = None) -> dict:
 
     Sequences go through ``chunk`` at a time, right-padded (padding after a row changes nothing
     before it under the causal mask); only each row's real positions are kept. Default: one a
-    pass on a CPU, where chunks of 8 were 1.4x slower on one thread (the pads' work and the
-    masked attention; docs/results-log.md, 2026-12-07) and their top-k no closer to float32's;
+    pass on a CPU, where chunks of 8 measured slower (the pads' work and the masked attention:
+    the results log has the figures) and their top-k no closer to float32's;
     8 elsewhere (an accelerator wants wide passes)."""
     import torch
 
