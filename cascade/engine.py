@@ -74,11 +74,11 @@ class RequestState:
     policy: Policy | None = None  # this request's own policy (None: its batch's)
     seed: int = 0  # the request's seed (drawn when it had none): keys its positions' noise (coupling="gumbel")
 
-    def fed(self, level: str, tokens: list[int], num_positions: int, cached_after: int) -> int:
-        """Positions a call on ``level`` computes for this sequence: those of ``tokens`` past
-        the level's cached prefix (at least ``num_positions``); then the level holds
-        ``tokens[:cached_after]``."""
-        keep = min(self.held(level, tokens), len(tokens) - num_positions)
+    def fed(self, level: str, tokens: list[int], held: int, num_positions: int, cached_after: int) -> int:
+        """Positions a call on ``level`` computes for this sequence: those of ``tokens`` past the
+        ``held`` the level was told it holds before the call (at least ``num_positions``); then
+        the level holds ``tokens[:cached_after]``."""
+        keep = min(held, len(tokens) - num_positions)
         # the callers build ``tokens`` afresh for each call: keep it, no copy, when it is all cached
         self.level_tokens[level] = tokens if cached_after == len(tokens) else tokens[:cached_after]
         return len(tokens) - keep
@@ -331,13 +331,13 @@ class Engine:
         for level in levels:
             t0 = time.perf_counter()
             try:
-                self._hold(level, seqs, [s.prefix for s in seqs])
+                held = self._hold(level, seqs, [s.prefix for s in seqs])
                 self.workers[level].prefill([s.state.seq_id for s in seqs], [s.prefix for s in seqs])
             except WorkerError as exc:
                 exc.level = exc.level or level
                 raise
             self._price(level, seqs, policy, time.perf_counter() - t0,
-                        [_Feed(s.prefix, 1, len(s.prefix), 1, 1) for s in seqs])
+                        [_Feed(s.prefix, 1, len(s.prefix), 1, 1) for s in seqs], held)
 
     def _extend(self, seqs: list[_Seq], i: int, plan: StepPlan, policy: Policy) -> None:
         """Fill each sequence's block with up to its budget of exact samples of level ``plan.path[i]``.
@@ -397,19 +397,19 @@ class Engine:
         shapes = [widths[:max(0, s.budget - len(s.tokens) - 1)] for s in seqs]
         self._hand_features(drafter, seqs, policy)  # a feature head's, as before a block
         t0 = time.perf_counter()
-        self._hold(drafter, seqs, prefixes)
+        held = self._hold(drafter, seqs, prefixes)
         grown = self.workers[drafter].draft_tree(ids, prefixes, shapes)
         depth = [len(x) for x in shapes]
         self._price(drafter, seqs, policy, time.perf_counter() - t0,
-                    [_Feed(p, 1, len(p), d, len(t[0])) for p, d, t in zip(prefixes, depth, grown)])
+                    [_Feed(p, 1, len(p), d, len(t[0])) for p, d, t in zip(prefixes, depth, grown)], held)
         trees = [DraftTree(tokens, parents) for tokens, parents in grown]
         t0 = time.perf_counter()
         worker = self.workers[level]
-        self._hold(level, seqs, prefixes)
+        held = self._hold(level, seqs, prefixes)
         logits, rows = _rows(stop, sampling, lambda: worker.score_tree_probs(ids, prefixes, grown, sampling),
                              lambda: worker.score_tree(ids, prefixes, grown))
         self._price(level, seqs, policy, time.perf_counter() - t0,
-                    [_Feed(p, t.size + 1, len(p), 1, t.size + 1) for p, t in zip(prefixes, trees)])
+                    [_Feed(p, t.size + 1, len(p), 1, t.size + 1) for p, t in zip(prefixes, trees)], held)
         draws = [s.draws(sampling, t.max_depth + 1) for s, t in zip(seqs, trees)]
         verdicts = verify_trees(sampling, trees, rows, draws)
         for a, (s, tree, verdict) in enumerate(zip(seqs, trees, verdicts)):
@@ -469,7 +469,8 @@ class Engine:
         seconds = time.perf_counter() - t0
         if computed:  # the level has not seen these positions: it computes them now
             self._price(source, [seqs[a] for a in computed], policy, seconds,
-                        [_Feed(seqs[a].prefix[:ends[a] + 1], 1, ends[a] + 1, 1, 1) for a in computed])
+                        [_Feed(seqs[a].prefix[:ends[a] + 1], 1, ends[a] + 1, 1, 1) for a in computed],
+                        [seen[a] for a in computed])
 
     def _draft(self, seqs: list[_Seq], level: str, sampling: Sampling, stop: StopRule | None,
                policy: Policy) -> None:
@@ -478,13 +479,13 @@ class Engine:
         self._hand_features(level, seqs, policy)
         uniforms = [s.draws(sampling, s.budget) for s in seqs]  # a block's draws, all up front
         t0 = time.perf_counter()
-        self._hold(level, seqs, [s.prefix for s in seqs])
+        held = self._hold(level, seqs, [s.prefix for s in seqs])
         drafts = self.workers[level].draft([s.state.seq_id for s in seqs], [s.prefix for s in seqs],
                                            [s.budget for s in seqs], sampling, uniforms, stop)
         # the first pass feeds what the level has not cached, each later one the token before
         self._price(level, seqs, policy, time.perf_counter() - t0,
                     [_Feed(s.prefix + d.tokens[:-1], len(d.tokens), len(s.prefix) + len(d.tokens) - 1,
-                           d.forward_passes, d.forward_passes) for s, d in zip(seqs, drafts)])
+                           d.forward_passes, d.forward_passes) for s, d in zip(seqs, drafts)], held)
         for s, d in zip(seqs, drafts):
             s.tokens, s.origins = list(d.tokens), [level] * len(d.tokens)
             s.rows = [d.probs] if d.tokens else []
@@ -500,25 +501,29 @@ class Engine:
         tokens = [s.prefix + s.tokens + b.tokens for s, b in zip(seqs, blocks)]
         positions = [len(b.tokens) + 1 for b in blocks]
         t0 = time.perf_counter()
-        self._hold(level, seqs, tokens)
+        held = self._hold(level, seqs, tokens)
         logits, rows = _rows(stop, sampling, lambda: worker.score_probs(ids, tokens, positions, sampling),
                              lambda: worker.score(ids, tokens, positions))
         self._price(level, seqs, policy, time.perf_counter() - t0,
-                    [_Feed(t, m, len(t), 1, m) for t, m in zip(tokens, positions)])
+                    [_Feed(t, m, len(t), 1, m) for t, m in zip(tokens, positions)], held)
         return logits, rows
 
-    def _hold(self, level: str, seqs: list[_Seq], tokens: list[list[int]]) -> None:
+    def _hold(self, level: str, seqs: list[_Seq], tokens: list[list[int]]) -> list[int]:
         """Before a call: tell ``level`` how much of each sequence (``tokens[b]``) it still holds
-        (``Worker.hold``), from the engine's record; nothing else reconciles what a cache holds."""
-        self.workers[level].hold([s.state.seq_id for s in seqs], [s.state.held(level, t) for s, t in zip(seqs, tokens)])
+        (``Worker.hold``), from the engine's record; nothing else reconciles what a cache holds.
+        Returns those counts, for :meth:`_price` to price the call with."""
+        held = [s.state.held(level, t) for s, t in zip(seqs, tokens)]
+        self.workers[level].hold([s.state.seq_id for s in seqs], held)
+        return held
 
     @staticmethod
-    def _price(level: str, seqs: list[_Seq], policy: Policy, seconds: float, fed: list[_Feed]) -> None:
+    def _price(level: str, seqs: list[_Seq], policy: Policy, seconds: float, fed: list[_Feed],
+               held: list[int]) -> None:
         """Record what one worker call for ``seqs`` cost: each sequence's record gets an equal
         share of the ``seconds`` and its forward passes; the policy one :class:`PassCost` with the
         positions the level really computed, prefill included (``fed``: what the call handed the
-        level for each sequence)."""
-        computed = [s.state.fed(level, f.tokens, f.positions, f.cached_after) for s, f in zip(seqs, fed)]
+        level for each sequence; ``held``: what :meth:`_hold` told it it held before)."""
+        computed = [s.state.fed(level, f.tokens, h, f.positions, f.cached_after) for s, f, h in zip(seqs, fed, held)]
         passes = [f.passes for f in fed]
         policy.observe_pass(PassCost(level, len(seqs), max(passes), sum(computed), seconds, rows=sum(passes),
                                      catch_up=max(c - f.scored for c, f in zip(computed, fed))))
