@@ -19,6 +19,13 @@ PROMPT = [1, 2, 3]
 BATCH = 256
 
 
+def hand_features(head, source, seq_ids, token_ids, ends=None) -> list[int]:
+    """The engine's hand-off (:meth:`workers.head.HeadWorker.hand_off`) of each sequence's
+    features up to position ``ends[b] - 1`` (default: all but the last position, all a head
+    ever needs); the sequences (indices) the source was asked for features."""
+    return head.hand_off(source, seq_ids, token_ids, [len(t) - 1 for t in token_ids] if ends is None else ends)
+
+
 def copy_head(auth_dir, noise: float, seed: int = 0, feature_weight: float = 0.05) -> FeatureHead:
     """A head whose decoder layer is the (1-layer) authority's own, perturbed by ``noise``, and
     whose ``fc`` passes the token's embedding through plus ``feature_weight`` x a random map of

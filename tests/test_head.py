@@ -13,11 +13,11 @@ import torch
 from cascade import Cascade, TopologyError, load_topology
 from cascade.sampling import Sampling
 from conftest import make_llama, write_topology
-from head_util import copy_head
+from head_util import copy_head, hand_features
 from hf_util import prompts_from_text, reference_greedy
 from policies.fixed import FixedPolicy
 from workers.draft_vocab import DraftVocab
-from workers.head import FeatureHead, HeadWorker, hand_features, random_head, shifted
+from workers.head import FeatureHead, HeadWorker, random_head, shifted
 from workers.hf import HFWorker
 
 

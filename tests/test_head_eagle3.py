@@ -19,10 +19,10 @@ import torch
 from cascade import Cascade
 from cascade.cli import main
 from conftest import make_llama, write_topology
-from head_util import VOCAB, check, copy_head, distill_args, draw, exact_pairs, misreport_head_probs
+from head_util import VOCAB, check, copy_head, distill_args, draw, exact_pairs, hand_features, misreport_head_probs
 from hf_util import chat_tokenizer, prompts_from_text, reference_greedy
 from stats_util import chi_square_pvalue
-from workers.head import FeatureHead, HeadConfig, HeadWorker, hand_features, random_head
+from workers.head import FeatureHead, HeadConfig, HeadWorker, random_head
 from workers.hf import HFWorker
 
 LAYERS = [0, 2]

@@ -39,7 +39,7 @@ predicted feature and attending to the committed entries and its own ancestors o
 children are the tokens its row ranks highest (:func:`workers.base.grow_children`, the rule every
 model level's trees use), so the engine verifies a head's tree exactly as a drafter's.
 
-**The hand-off** (:func:`hand_features`, called by the engine before a head drafts): the head
+**The hand-off** (:meth:`HeadWorker.hand_off`, called by the engine before a head drafts): the head
 says from which position it lacks features (:meth:`HeadWorker.features_needed`), its source
 returns them (:meth:`workers.hf.HFWorker.features`: what its passes kept, no extra pass, except a
 prefill of positions it has never computed) and the head takes them (:meth:`HeadWorker.hand_off`).
@@ -304,7 +304,7 @@ def _left_pad(x: torch.Tensor | None, length: int, like: torch.Tensor) -> torch.
 class HeadWorker(Worker):
     """A draft level over a :class:`FeatureHead` and the embedding and LM head of the level whose
     features it reads (see the module docstring). ``features_of`` names that level for the
-    engine, which hands the head its features before it drafts (:func:`hand_features`)."""
+    engine, which hands the head its features before it drafts (:meth:`hand_off`)."""
 
     can_score = False
 
@@ -361,21 +361,18 @@ class HeadWorker(Worker):
 
     # -- the hand-off ------------------------------------------------------------------------
 
-    def features_needed(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]]) -> list[int]:
-        """Per sequence, the first position whose source feature the head lacks to feed
-        ``token_ids[b]`` with real features (it needs those of positions ``start .. len - 2``)."""
-        starts = []
-        for s, toks in zip(seq_ids, token_ids):
-            state = self._seqs.get(s)
-            starts.append(0 if state is None else max(min(len(state.tokens), state.real) - 1, 0))
-        return starts
+    def features_needed(self, seq_ids: Sequence[str]) -> list[int]:
+        """Per sequence, the first position whose source feature the head lacks to feed the
+        sequence with real features (it needs those of positions ``start .. len - 2``)."""
+        states = [self._seqs.get(s) for s in seq_ids]
+        return [0 if state is None else max(min(len(state.tokens), state.real) - 1, 0) for state in states]
 
     def hand_off(self, source, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
                  ends: Sequence[int]) -> list[int]:
-        """:func:`hand_features` in process: the features of positions :meth:`features_needed`
+        """:meth:`Worker.hand_off` in process: the features of positions :meth:`features_needed`
         .. ``ends[b] - 1`` from ``source`` (an :class:`~workers.hf.HFWorker` keeping them), taken
         with :meth:`take_features`; the indices of the sequences it asked the source for."""
-        starts = self.features_needed(seq_ids, token_ids)
+        starts = self.features_needed(seq_ids)
         asked = [b for b in range(len(seq_ids)) if starts[b] < ends[b]]
         if asked:
             feats = source.features([seq_ids[b] for b in asked], [list(token_ids[b])[:ends[b] + 1] for b in asked],
@@ -395,7 +392,6 @@ class HeadWorker(Worker):
             if feats.shape[-1] != width:
                 raise ValueError(f"take_features: features of width {feats.shape[-1]}; this head reads "
                                  f"{width} (fuse_layers {self.head.config.fuse_layers})")
-            toks = list(toks)
             state = self._seqs.setdefault(s, _HeadSeq())
             end = start + feats.shape[0]
             if state.real < len(state.tokens) and end >= state.real:
@@ -405,7 +401,7 @@ class HeadWorker(Worker):
                                  f"{len(state.tokens)} entries: positions {max(len(state.tokens) - 1, 0)}.."
                                  f"{start - 1} are missing")
             state.feats = self.head.project(feats.to(device=self.device, dtype=self.dtype))
-            state.feat_start, state.feat_tokens = start, toks[:end]
+            state.feat_start, state.feat_tokens = start, list(toks[:end])
 
     # -- drafting ------------------------------------------------------------------------------
 
@@ -621,17 +617,3 @@ class HeadWorker(Worker):
     def close(self) -> None:
         self._seqs.clear()
 
-
-def hand_features(head: Worker, source: Worker, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
-                  ends: Sequence[int] | None = None) -> list[int]:
-    """Hand ``head`` the features it lacks of each sequence ``token_ids[b]``, from ``source``
-    (the worker of its ``features_of`` level): those of positions up to ``ends[b] - 1`` (default:
-    all but the last position, ``len - 2``, which is all a head ever needs). Returns the
-    sequences (indices) the source was asked for features.
-
-    The head does it (:meth:`HeadWorker.hand_off`): in process it asks ``source`` and takes what
-    it returns; a head that runs in its source's Ray actor (:class:`cascade.backends.ray.RayHeadWorker`)
-    does the same inside that actor, in one remote call, so no feature crosses the wire."""
-    if ends is None:
-        ends = [len(t) - 1 for t in token_ids]
-    return head.hand_off(source, seq_ids, token_ids, [int(e) for e in ends])

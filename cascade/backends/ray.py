@@ -23,7 +23,7 @@ Feature heads (``kind: head``, :mod:`workers.head`) live in the actor of the lev
 in-process, with no actor or bundle of their own; a head whose source runs in the driver runs
 there with it. The driver's :class:`RayHeadWorker` names the head in every call to that actor
 (each call says which of the actor's workers it is for) and does the engine's hand-off
-(:func:`workers.head.hand_features`) in one call, inside the actor: features never cross the
+(:meth:`workers.head.HeadWorker.hand_off`) in one call, inside the actor: features never cross the
 wire.
 
 Faults. Actors restart up to ``ray.max_restarts`` times and Ray re-runs the interrupted call on
@@ -223,7 +223,7 @@ class LevelActor:
         return [(list(tokens), list(parents)) for tokens, parents in grown]
 
     def hand_features(self, seq_ids, keeps, suffixes, held, ends, source_held, level: str | None = None):
-        """The engine's hand-off to the head ``level`` (:func:`workers.head.hand_features`), from
+        """The engine's hand-off to the head ``level`` (:meth:`workers.head.HeadWorker.hand_off`), from
         this actor's own worker, here: the indices of the sequences whose features it asked for
         (after a restart the source recomputes what it no longer holds)."""
         seqs = self._sequences(seq_ids, keeps, suffixes, held, level)
