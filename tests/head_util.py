@@ -26,6 +26,12 @@ def hand_features(head, source, seq_ids, token_ids, ends=None) -> list[int]:
     return head.hand_off(source, seq_ids, token_ids, [len(t) - 1 for t in token_ids] if ends is None else ends)
 
 
+def entries(head, seq_id: str) -> tuple[list[int], int]:
+    """The tokens of a sequence's entries in a head's cache and how many lead with real features."""
+    state = head._seqs.get(seq_id)
+    return ([], 0) if state is None else (list(state.tokens), state.real)
+
+
 def copy_head(auth_dir, noise: float, seed: int = 0, feature_weight: float = 0.05) -> FeatureHead:
     """A head whose decoder layer is the (1-layer) authority's own, perturbed by ``noise``, and
     whose ``fc`` passes the token's embedding through plus ``feature_weight`` x a random map of

@@ -123,12 +123,12 @@ def test_a_lean_worker_with_the_kernel_scores_like_one_without():
     real, threads = few_rows._state["fn"], torch.get_num_threads()
     torch.set_num_threads(1)  # the kernel's condition, when the model loads and when it runs
     try:
-        with_kernel = HFWorker.from_model(model)
-        without = HFWorker.from_model(model)
+        with_kernel = HFWorker(model)
+        without = HFWorker(model)
         without.lean = lean_forward(model, pack=False)
         assert model.model.layers[0].mlp.up_proj.weight.is_contiguous()  # the model's own weights left as they are
         few_rows._state["fn"] = lambda *a: (calls.append(a[4]), real(*a))[1]
-        rebuilt = HFWorker.from_model(model)  # its products call the counting kernel
+        rebuilt = HFWorker(model)  # its products call the counting kernel
         rng = random.Random(2)
         seqs = [[rng.randrange(97) for _ in range(n)] for n in (5, 17, 9)]
         for step in range(5):

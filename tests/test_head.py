@@ -13,7 +13,7 @@ import torch
 from cascade import Cascade, TopologyError, load_topology
 from cascade.sampling import Sampling
 from conftest import make_llama, write_topology
-from head_util import copy_head, hand_features
+from head_util import copy_head, entries, hand_features
 from hf_util import prompts_from_text, reference_greedy
 from policies.fixed import FixedPolicy
 from workers.draft_vocab import DraftVocab
@@ -122,7 +122,7 @@ def test_the_worker_equals_a_naive_recomputation_across_rollbacks(models, kind):
     passes.clear()
     hand_features(head, source, ["a"], [seq_a])
     assert passes == []  # no extra authority pass
-    tokens, real_count = head.entries("a")
+    tokens, real_count = entries(head, "a")
     assert tokens == seq_a[:real_count] and real_count == len(tokens)  # no predicted entry survives
 
     # 3. two sequences in one call (the new one prefilled), ragged lengths: both as if alone
@@ -133,7 +133,7 @@ def test_the_worker_equals_a_naive_recomputation_across_rollbacks(models, kind):
         want = naive_logits(head, seq + d.tokens[:-1], authority_features(model, seq)[:-1], len(seq) - 1)
         for row, logits in zip(d.probs, want):
             torch.testing.assert_close(row, torch.softmax(logits, -1), rtol=0, atol=1e-12)
-    tokens, real_count = head.entries("a")
+    tokens, real_count = entries(head, "a")
     assert tokens[:len(seq_a)] == seq_a and real_count == len(seq_a)  # drafted entries are predicted ones
     head.release(["a", "b"])
     source.release(["a", "b"])
@@ -195,7 +195,7 @@ def test_a_heads_tree_equals_naive_chains(models, kind):
                 check(c, depth + 1)
 
         check(-1, 0)
-        assert head.entries(s) == (seq, len(seq))
+        assert entries(head, s) == (seq, len(seq))
     # a later block drafts as if no tree had been grown
     draft = head.draft(["a"], [seqs[0]], [2], Sampling(temperature=1.0), [torch.tensor([0.3, 0.6], dtype=torch.float64)])[0]
     want = naive_logits(head, seqs[0] + draft.tokens[:-1], authority_features(source.model, seqs[0])[:-1], 5)
@@ -243,7 +243,7 @@ def test_kept_features_follow_the_cache(models, lean, cache):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(models / "auth", dtype=torch.float64)
-    worker = HFWorker.from_model(model, device="cpu", lean=lean)
+    worker = HFWorker(model, device="cpu", lean=lean)
     assert (worker.lean is not None) == lean
     worker.keep_features()
     if cache == "per-sequence":
@@ -330,14 +330,14 @@ def test_the_hand_off_under_a_rejected_block(models, tmp_path, tokenizer, setup)
                     before[state.seq_id] = (edge.proposed, edge.accepted)
                     partly_rejected += 0 < accepted < proposed
                 if state.finish_reason is not None:  # released
-                    assert state.seq_id not in auth._features.seqs and head.entries(state.seq_id) == ([], 0)
+                    assert state.seq_id not in auth._features.seqs and entries(head, state.seq_id) == ([], 0)
                     continue
                 seq = prompt + state.generated
                 kept = auth._features.read(state.seq_id, seq, 0)
                 assert kept is not None  # held: no pass needed
                 torch.testing.assert_close(kept, authority_features(auth.model, seq)[:-1], rtol=0, atol=1e-10)
                 hand_features(head, auth, [state.seq_id], [seq])
-                tokens, real = head.entries(state.seq_id)
+                tokens, real = entries(head, state.seq_id)
                 assert real == len(tokens) and tokens == seq[:real]
                 # the head's entries once fed (the next draft's first pass) are the naive recomputation's
                 head._next_logits([state.seq_id], [seq])

@@ -19,7 +19,8 @@ import torch
 from cascade import Cascade
 from cascade.cli import main
 from conftest import make_llama, write_topology
-from head_util import VOCAB, check, copy_head, distill_args, draw, exact_pairs, hand_features, misreport_head_probs
+from head_util import (VOCAB, check, copy_head, distill_args, draw, entries, exact_pairs, hand_features,
+                       misreport_head_probs)
 from hf_util import chat_tokenizer, prompts_from_text, reference_greedy
 from stats_util import chi_square_pvalue
 from workers.head import FeatureHead, HeadConfig, HeadWorker, random_head
@@ -56,7 +57,7 @@ def test_kept_fused_features_follow_the_cache(models, lean, cache):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(models / "auth", dtype=torch.float64)
-    worker = HFWorker.from_model(model, device="cpu", lean=lean)
+    worker = HFWorker(model, device="cpu", lean=lean)
     assert (worker.lean is not None) == lean
     worker.keep_features(LAYERS)
     if cache == "per-sequence":
@@ -122,7 +123,7 @@ def test_a_fused_head_drafts_as_a_naive_recomputation_with_no_extra_pass(models,
     passes.clear()
     hand_features(head, source, ["a"], [seq])
     assert passes == []
-    tokens, real = head.entries("a")
+    tokens, real = entries(head, "a")
     assert real == len(tokens) and tokens == seq[:real]
     again = head.draft(["a"], [seq], [2], Sampling(temperature=1.0), [torch.tensor([0.3, 0.6], dtype=torch.float64)])[0]
     want = naive_logits(head, seq + again.tokens[:-1], fused_features(source.model, seq)[:-1], len(seq) - 1)

@@ -34,14 +34,14 @@ def check(worker, model, seq_ids, token_ids, nums):
 
 
 def test_pool_is_used_for_llama_batches_and_a_solo_sequence_joins_it(model):
-    worker = HFWorker.from_model(model)
+    worker = HFWorker(model)
     check(worker, model, ["a"], [[1, 2, 3]], [1])  # alone: its own cache (faster at batch 1)
     check(worker, model, ["a"], [[1, 2, 3, 4, 5]], [2])
-    assert worker._pool is not None and not worker._pool.row_of and "a" in worker._caches
+    assert worker._pool is not None and not worker._pool.row_of and "a" in worker._caches.seqs
     check(worker, model, ["a", "b"], [[1, 2, 3, 4, 5, 6], [7, 8]], [1, 2])  # batched: the pool
-    assert set(worker._pool.row_of) == {"a", "b"} and not worker._caches
+    assert set(worker._pool.row_of) == {"a", "b"} and not worker._caches.seqs
     check(worker, model, ["a"], [[1, 2, 3, 4, 9]], [1])  # alone again, but the pool holds it
-    assert "a" not in worker._caches
+    assert "a" not in worker._caches.seqs
 
 
 @pytest.mark.parametrize("lean", [True, False])
@@ -49,13 +49,13 @@ def test_a_solo_sequences_cache_grows_in_place_through_rollbacks(model, lean):
     """A solo sequence's cache writes each pass into buffers it keeps (no copy of the whole cache
     a pass, as transformers' DynamicLayer makes), grows them when full and rolls back by its
     length: the logits stay the sequence's own, on the lean forward and on transformers'."""
-    worker = HFWorker.from_model(model, lean=lean)
+    worker = HFWorker(model, lean=lean)
     vocab = worker.vocab_size
     rng = random.Random(3)
     toks = [rng.randrange(vocab) for _ in range(5)]
     check(worker, model, ["a"], [toks], [1])
-    layer = worker._caches["a"].cache.layers[0]
-    assert type(layer).__name__ == "GrowingLayer"
+    layer = worker._caches.seqs["a"].cache.layers[0]
+    assert type(layer).__name__ == "BufferLayer"
     buffers, grown = layer.kbuf, 0
     for step in range(40):
         cut = rng.randrange(0, 4)  # a rejected block rolls back
@@ -71,7 +71,7 @@ def test_a_solo_sequences_cache_grows_in_place_through_rollbacks(model, lean):
 
 
 def test_ragged_batches_equal_solo(model, tokenizer):
-    worker = Told(HFWorker.from_model(model))  # as the engine drives it
+    worker = Told(HFWorker(model))  # as the engine drives it
     vocab = worker.vocab_size
     rng = random.Random(0)
     seqs = {s: [rng.randrange(vocab) for _ in range(rng.randrange(3, 20))] for s in "abcd"}
@@ -99,7 +99,7 @@ def test_ragged_batches_equal_solo(model, tokenizer):
 
 @pytest.mark.parametrize("lean", [True, False], ids=["lean-forward", "transformers-forward"])
 def test_subsets_idle_rows_joins_and_leaves(model, lean):
-    worker = Told(HFWorker.from_model(model, lean=lean))  # as the engine drives it
+    worker = Told(HFWorker(model, lean=lean))  # as the engine drives it
     assert (worker.lean is not None) == lean
     vocab = worker.vocab_size
     rng = random.Random(1)
@@ -129,7 +129,7 @@ def test_subsets_idle_rows_joins_and_leaves(model, lean):
 
 
 def test_compaction_keeps_logits(model):
-    worker = HFWorker.from_model(model)
+    worker = HFWorker(model)
     vocab = worker.vocab_size
     rng = random.Random(2)
     base = {s: [rng.randrange(vocab) for _ in range(5 + 3 * i)] for i, s in enumerate("xyz")}
@@ -153,8 +153,8 @@ def test_compaction_keeps_logits(model):
 
 def test_pool_equals_per_sequence_caches(model):
     """The pool and the per-sequence fallback give the same logits."""
-    pooled = HFWorker.from_model(model)
-    legacy = HFWorker.from_model(model)
+    pooled = HFWorker(model)
+    legacy = HFWorker(model)
     legacy._pool = False
     rng = random.Random(3)
     vocab = pooled.vocab_size
@@ -169,7 +169,7 @@ def test_pool_equals_per_sequence_caches(model):
 
 
 def test_a_long_prompt_joining_a_running_batch_is_prefilled_alone(model):
-    worker = HFWorker.from_model(model)
+    worker = HFWorker(model)
     vocab = worker.vocab_size
     rng = random.Random(4)
     seqs = {f"r{i}": [rng.randrange(vocab) for _ in range(6)] for i in range(6)}
@@ -198,7 +198,7 @@ def test_newcomers_are_prefilled_into_columns_their_rows_do_not_use(model):
     """Sequences joining a running batch are prefilled by themselves into columns before
     ``used`` that their rows do not hold: the pool gains no columns (no holes for the others),
     and every row's logits stay the solo ones."""
-    worker = HFWorker.from_model(model)
+    worker = HFWorker(model)
     vocab = worker.vocab_size
     rng = random.Random(5)
     seqs = {f"r{i}": [rng.randrange(vocab) for _ in range(8 + i)] for i in range(6)}
@@ -232,7 +232,7 @@ def test_newcomers_are_prefilled_into_columns_their_rows_do_not_use(model):
 def test_a_draining_batch_drops_its_free_rows(model):
     """Rows left free by finished sequences, with nobody joining, stop taking part in passes
     once they are a quarter of the rows; a row freed and refilled in one call stays."""
-    worker = HFWorker.from_model(model)
+    worker = HFWorker(model)
     vocab = worker.vocab_size
     rng = random.Random(6)
     seqs = {f"r{i}": [rng.randrange(vocab) for _ in range(5 + 2 * i)] for i in range(8)}

@@ -63,7 +63,7 @@ def test_lean_worker_equals_transformers_through_rollbacks_joins_and_solo_calls(
     monkeypatch.setattr("workers.lean.PACK_BELOW", pack)
     model = make(**VARIANTS[variant])
     assert type(model).__name__.lower().startswith(VARIANTS[variant].get("arch", "llama"))
-    worker = Told(HFWorker.from_model(model))  # as the engine drives it
+    worker = Told(HFWorker(model))  # as the engine drives it
     assert worker.lean is not None
     rng = random.Random(0)
     seqs = {s: [rng.randrange(61) for _ in range(rng.randrange(2, 30))] for s in "abc"}
@@ -115,7 +115,7 @@ def test_a_bfloat16_pass_over_one_position_folds_grouped_query_attention(monkeyp
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     for dtype, folded in ((torch.bfloat16, True), (torch.float32, False)):
         model = llama(num_key_value_heads=2).to(dtype)
-        worker = HFWorker.from_model(model)
+        worker = HFWorker(model)
         tokens = [random.Random(1).randrange(61) for _ in range(9)]
         worker.score(["a"], [tokens[:8]], [1])
         calls.clear()
@@ -147,7 +147,7 @@ def test_lean_and_transformers_forward_agree_on_the_bundled_family(family, monke
     rng = random.Random(1)
     for level in ("tiny", "large"):
         model = AutoModelForCausalLM.from_pretrained(family / level, dtype=torch.float32).eval()
-        lean, plain = HFWorker.from_model(model), HFWorker.from_model(model, lean=False)
+        lean, plain = HFWorker(model), HFWorker(model, lean=False)
         assert lean.lean is not None and plain.lean is None
         seqs = [[rng.randrange(1, plain.vocab_size) for _ in range(n)] for n in (5, 17, 9)]
         for step in range(6):
@@ -191,7 +191,7 @@ def test_several_row_passes_through_prepacked_weights_keep_float32_products(with
     model = llama(hidden_size=256, intermediate_size=2304, vocab_size=97).to(torch.float32)
     assert _packable(model) and not _packable(model.to(torch.float64))
     model.to(torch.float32)
-    packed, plain = HFWorker.from_model(model), HFWorker.from_model(model)
+    packed, plain = HFWorker(model), HFWorker(model)
     plain.lean = lean_forward(model, pack=False)
     rng = random.Random(2)
     seqs = [[rng.randrange(97) for _ in range(n)] for n in (5, 17, 9)]
@@ -254,7 +254,7 @@ def test_bfloat16_products_come_from_prepacked_copies():
 
     model = llama(hidden_size=64, intermediate_size=160, vocab_size=97).to(torch.bfloat16)
     assert _packable(model)
-    packed, plain = HFWorker.from_model(model), HFWorker.from_model(model)
+    packed, plain = HFWorker(model), HFWorker(model)
     plain.lean = lean_forward(model, pack=False)
     rng = random.Random(2)
     seqs = [[rng.randrange(97) for _ in range(n)] for n in (5, 17, 9)]
@@ -279,7 +279,7 @@ def test_baselines_run_the_model_as_transformers_loaded_it(without_few_rows):
     model = llama(hidden_size=256, intermediate_size=2304, vocab_size=97, tie_word_embeddings=True).to(torch.float32)
     assert as_loaded(model) is model
     fresh = copy.deepcopy(model)
-    HFWorker.from_model(model)
+    HFWorker(model)
     assert model.model.layers[0].mlp.up_proj.weight.stride() == (1, 2304)  # 589,824 elements: column-major
     loaded = as_loaded(model)
     assert loaded is not model and as_loaded(model) is loaded
@@ -308,7 +308,7 @@ def test_models_it_does_not_know_exactly_keep_the_transformers_forward():
     hooked.model.layers[0].mlp.register_forward_hook(lambda *a: None)
     assert lean_forward(hooked) is None
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_embd=32, n_layer=1, n_head=2)).eval()
-    assert lean_forward(gpt2) is None and HFWorker.from_model(gpt2).lean is None
+    assert lean_forward(gpt2) is None and HFWorker(gpt2).lean is None
     training = llama().train()
     assert lean_forward(training) is None
     # A sliding attention window masks columns by position, which the lean mask does not do.

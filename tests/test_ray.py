@@ -540,7 +540,8 @@ def test_a_killed_actor_rebuilds_its_head(head_cascades, head_topo, tokenizer):
                 time.sleep(0.05)
         if step == 2:  # the fresh head's entries: real features of the prompt and on, from the source
             held = ray.get(remote.backend.actors["auth"].__ray_call__.remote(
-                lambda self, seq: self.workers["head"].entries(seq), state.seq_id))
+                lambda self, seq: (list(self.workers["head"]._seqs[seq].tokens), self.workers["head"]._seqs[seq].real),
+                state.seq_id))
             sequence = prompt + state.generated
     tokens, real = held
     assert real > len(prompt) and tokens[:real] == sequence[:real]

@@ -102,8 +102,8 @@ def path_tokens(tree, path) -> list[int]:
 def held(worker, s: str):
     """(tokens, [(keys, values) [heads, tokens, head_dim] per layer]) the worker holds for ``s``,
     with no tree pending; for a pool row, its valid columns in order (nothing else valid)."""
-    if s in worker._caches:
-        entry = worker._caches[s]
+    if s in worker._caches.seqs:
+        entry = worker._caches.seqs[s]
         assert entry.tree is None
         return list(entry.tokens), [(layer.keys[0], layer.values[0]) for layer in entry.cache.layers]
     pool = worker._pool
@@ -125,7 +125,7 @@ def same_cache(a, b, ids):
 
 
 def worker_for(model, path: str, lean: bool = True) -> HFWorker:
-    worker = HFWorker.from_model(model, lean=lean)
+    worker = HFWorker(model, lean=lean)
     if path == "per-sequence":
         worker._pool = False
     return worker
@@ -139,7 +139,7 @@ def test_solo_tree_rows_equal_chain_rows(model, eager, forward):
     uncached tail, and after the previous tree (which the next call settles)."""
     m = eager if forward == "eager" else model
     tol = EAGER_TOL if forward == "eager" else TOL
-    worker = HFWorker.from_model(m, lean=forward == "lean")
+    worker = HFWorker(m, lean=forward == "lean")
     assert (worker.lean is not None) == (forward == "lean")
     assert worker._tree_support() == ("float" if forward == "eager" else "bool")
     rng = random.Random(0)
@@ -152,7 +152,7 @@ def test_solo_tree_rows_equal_chain_rows(model, eager, forward):
         worker.score([name], [longer[:-3]], [1])  # cached, with 3 more uncached
         rows = worker.score_tree([name], [longer], [tree])[0]
         torch.testing.assert_close(rows, chain_rows(m, longer, tree), rtol=0, atol=tol)
-        assert worker._caches[name].tree is not None and not worker._pool.row_of
+        assert worker._caches.seqs[name].tree is not None and not worker._pool.row_of
         other = random_tree(rng, 2, 3)  # a tree right after a tree: the first is settled away
         rows = worker.score_tree([name], [longer + [tree[0][0]]], [other])[0]
         torch.testing.assert_close(rows, chain_rows(m, longer + [tree[0][0]], other), rtol=0, atol=tol)
@@ -182,7 +182,7 @@ def test_batched_tree_rows_equal_chain_rows(model, eager, path, forward):
         for s, tree, rows in zip(ids, trees, got):
             torch.testing.assert_close(rows, chain_rows(m, committed[s], tree), rtol=0, atol=tol)
         if path == "pool":
-            assert set(worker._pool.row_of) == set(ids) and not worker._caches
+            assert set(worker._pool.row_of) == set(ids) and not worker._caches.seqs
         for s, tree in zip(ids, trees):  # accept a random root-to-node path, then a few more tokens
             nodes = [i for i in range(len(tree[0])) if rng.random() < 0.6]
             node = rng.choice(nodes) if nodes else -1
@@ -328,7 +328,7 @@ def grow_tree(drafter: HFWorker, seq_ids, committed, widths):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_along_tree_rows_is_plain_greedy(model, batch):
     drafter_model = make(seed=5, noise_from=model, noise=0.5)
-    drafter, authority = HFWorker.from_model(drafter_model), HFWorker.from_model(model)
+    drafter, authority = HFWorker(drafter_model), HFWorker(model)
     rng = random.Random(4)
     ids = [f"g{i}" for i in range(batch)]
     prompts = seqs(rng, batch, 4, 12)
@@ -402,7 +402,7 @@ def test_models_without_a_one_pass_tree_score_path_by_path(model):
 
     custom = Custom(model.config).to(torch.float64).eval()
     custom.load_state_dict(model.state_dict())
-    worker = HFWorker.from_model(custom)
+    worker = HFWorker(custom)
     assert worker.lean is None and worker._tree_support() is None
     rng = random.Random(6)
     prefixes = seqs(rng, 2, 5, 10)
@@ -423,8 +423,8 @@ def test_trimmed_vocabulary_drafter_scores_trees(batch):
     ids_ = [4, 1, 3]
     vocab = DraftVocab(ids_, 6)
     trimmed = make(seed=7, vocab=len(ids_) + 1)
-    worker = Told(HFWorker.from_model(trimmed, draft_vocab=vocab))
-    chain = Told(HFWorker.from_model(trimmed, draft_vocab=vocab))
+    worker = Told(HFWorker(trimmed, draft_vocab=vocab))
+    chain = Told(HFWorker(trimmed, draft_vocab=vocab))
     seq_ids = ["u", "v"][:batch]
     prefixes = [[4, 0, 1, 3, 2], [1, 1, 5]][:batch]
     tree = ([0, 2, 4, 1, 5, 3], [-1, -1, 0, 1, 1, 3])  # 0 and 2: OTHER; 1 -> 3 -> 5 runs below the second

@@ -281,16 +281,18 @@ def _warp(logits: list[torch.Tensor], sampling: Sampling) -> list[torch.Tensor]:
 
 
 def grow_children(tree: tuple[list[int], list[int]], frontier: Sequence[int], rows: torch.Tensor,
-                  width: int) -> list[int]:
+                  width: int, columns: torch.Tensor | None = None) -> list[int]:
     """Append below each ``frontier`` node (-1: the root) of ``tree`` (``(tokens, parents)``,
     grown in place) the ``width`` tokens its row of ``rows`` ``[len(frontier), vocab]`` ranks
     highest, best first; returns the new nodes. A stable descending sort: equal logits keep
-    token order (deterministic); ``-inf`` (outside a trimmed vocabulary) is never a candidate."""
+    token order (deterministic); ``-inf`` (outside a trimmed vocabulary) is never a candidate.
+    ``columns``: the ascending authority ids of rows over a draft vocabulary's columns alone
+    (the same candidates as the authority-width rows, ``-inf`` elsewhere)."""
     tokens, parents = tree
     order = torch.sort(rows, dim=-1, descending=True, stable=True).indices[:, :width]
     finite = torch.isfinite(rows.gather(1, order)).tolist()
     nodes = []
-    for parent, best, ok in zip(frontier, order.tolist(), finite):
+    for parent, best, ok in zip(frontier, (order if columns is None else columns[order]).tolist(), finite):
         for token, keep in zip(best, ok):
             if not keep:
                 break

@@ -444,19 +444,19 @@ class HeadWorker(Worker):
         grow = [b for b in range(len(seq_ids)) if widths[b]]
         if not grow:
             return trees
-        roots = self._logits(self._feed([seq_ids[b] for b in grow], [token_ids[b] for b in grow]))
+        roots = self._column_logits(self._feed([seq_ids[b] for b in grow], [token_ids[b] for b in grow]))
         grown = [_TreeGrowth(self._seqs[seq_ids[b]], trees[b], list(widths[b])) for b in grow]
         for g, rows in zip(grown, roots[:, None]):
-            g.frontier = grow_children(g.tree, [-1], rows, g.widths[0])
+            g.frontier = grow_children(g.tree, [-1], rows, g.widths[0], self.draft_columns)
         for depth in range(1, max(len(g.widths) for g in grown)):
             growing = [g for g in grown if depth < len(g.widths) and g.frontier]
             if not growing:
                 break
-            rows = self._logits(self._tree_pass(growing, depth))
+            rows = self._column_logits(self._tree_pass(growing, depth))
             at = 0
             for g in growing:
                 n = len(g.frontier)
-                g.frontier = grow_children(g.tree, g.frontier, rows[at:at + n], g.widths[depth])
+                g.frontier = grow_children(g.tree, g.frontier, rows[at:at + n], g.widths[depth], self.draft_columns)
                 at += n
         return trees
 
@@ -585,22 +585,7 @@ class HeadWorker(Worker):
             logits = self.lm_head(hidden)
         return host_logits(logits)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """:meth:`_column_logits` at the authority's width: ``-inf`` outside a draft vocabulary."""
-        logits = self._column_logits(hidden)
-        if self.draft_columns is None:
-            return logits
-        rows = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        rows[:, self.draft_columns] = logits
-        return rows
-
     # -- bookkeeping ---------------------------------------------------------------------------
-
-    def entries(self, seq_id: str) -> tuple[list[int], int]:
-        """The tokens of a sequence's entries in the head's cache and how many lead with real
-        features (for tests and monitoring)."""
-        state = self._seqs.get(seq_id)
-        return ([], 0) if state is None else (list(state.tokens), state.real)
 
     def hold(self, seq_ids: Sequence[str], held: Sequence[int]) -> None:
         for s, n in zip(seq_ids, held):

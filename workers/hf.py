@@ -33,9 +33,9 @@ from workers.trees import as_tree
 class HFWorker(Worker):
     def __init__(
         self,
-        model,  # a name or path (loaded here), or an already-loaded transformers model
+        model,  # a name or path (loaded here), or an already-loaded transformers model (tests, notebooks)
         dtype: str = "float32",
-        device: str = "auto",
+        device: str | torch.device | None = None,  # None: "auto" for a name, a loaded model's own device
         trust_remote_code: bool = False,
         lean: bool = True,
         gguf_file: str | None = None,
@@ -46,8 +46,9 @@ class HFWorker(Worker):
         draft_vocab: DraftVocab | None = None,  # a loaded model's trimmed vocabulary (a name's is read beside it)
         quantized=None,  # a loaded model's workers.quant.Quantizer
     ):
-        self.device = resolve_device(str(device))
-        if isinstance(model, (str, os.PathLike)):
+        named = isinstance(model, (str, os.PathLike))
+        self.device = resolve_device(str(device or ("auto" if named else next(model.parameters()).device)))
+        if named:
             from transformers import AutoModelForCausalLM
 
             name = str(model)
@@ -99,15 +100,6 @@ class HFWorker(Worker):
         # cache of its own for a sequence served alone or where the model's layout rules the pool out.
         self._caches = SeqCaches(self.model, self.device, self._logits, self._tree_attention)
         self._pool = Pool(self.model, self.device, self.context_length, self._logits) if self._caches.growing else None
-
-    @classmethod
-    def from_model(cls, model, device: str | None = None, lean: bool = True,
-                   draft_vocab: DraftVocab | None = None, packed_weights: bool = True,
-                   quantized=None) -> "HFWorker":
-        """Wrap an already-loaded model (tests, notebooks), on its own device unless ``device``
-        says otherwise; ``quantized``: a :class:`workers.quant.Quantizer` of it."""
-        return cls(model, device=device or next(model.parameters()).device, lean=lean,
-                   packed_weights=packed_weights, draft_vocab=draft_vocab, quantized=quantized)
 
     def keep_features(self, layers: Sequence[int] | None = None) -> None:
         """From now on keep the last hidden state (the LM head's input) at every position each pass
@@ -283,7 +275,7 @@ class HFWorker(Worker):
             self._features.release(seq_ids)
 
     def cached_sequences(self) -> int:
-        return len(self._caches) + (len(self._pool.row_of) if self._pool else 0)
+        return len(self._caches.seqs) + (len(self._pool.row_of) if self._pool else 0)
 
     def close(self) -> None:
         self._caches.release(list(self._caches.seqs))

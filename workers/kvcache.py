@@ -65,7 +65,9 @@ def move_columns(buffers: Sequence[torch.Tensor], rows: list[int], src: list[int
 def buffer_layer(kbuf, vbuf, length: int):
     """A cache layer over preallocated buffers ``[rows, heads, capacity, head_dim]`` whose first
     ``length`` columns are in use: an update writes the new columns in place and returns views
-    (transformers' DynamicLayer concatenates, copying the whole cache every step)."""
+    (transformers' DynamicLayer concatenates, copying the whole cache every step). Without
+    buffers (None) it allocates them on its first update, ``capacity`` columns if set; past the
+    capacity it grows them by doubling; :meth:`crop` moves its length back."""
     return _buffer_layer_class()(kbuf, vbuf, length)
 
 
@@ -87,13 +89,9 @@ def _buffer_layer_class():
 
         def update(self, key_states, value_states, *args, **kwargs):
             end = self.length + key_states.shape[-2]
-            if self.kbuf is None:  # the first pass of an empty pool: allocate
-                shape = (*key_states.shape[:2], max(self.capacity, end), key_states.shape[-1])
-                # zeroed: a masked column still enters attention as 0 x value, so garbage (NaN) must not
-                self.kbuf = key_states.new_zeros(shape)
-                self.vbuf = value_states.new_zeros(shape[:3] + (value_states.shape[-1],))
-                self.device = key_states.device
-                self.is_initialized = True
+            if self.kbuf is None or end > self.capacity:  # the first pass (the pool's: at its capacity), or full
+                self._grow(key_states, value_states, max(end, self.capacity if self.kbuf is None else 2 * self.capacity,
+                                                         64))
             width = end - self.length
             self.kbuf.narrow(2, self.length, width).copy_(key_states)
             self.vbuf.narrow(2, self.length, width).copy_(value_states)
@@ -103,6 +101,16 @@ def _buffer_layer_class():
                 return self.keys.contiguous(), self.values.contiguous()
             return self.keys, self.values
 
+        def _grow(self, key_states, value_states, capacity: int) -> None:
+            # zeroed: a masked column still enters attention as 0 x value, so garbage (NaN) must not
+            kbuf = key_states.new_zeros((*key_states.shape[:2], capacity, key_states.shape[-1]))
+            vbuf = value_states.new_zeros((*value_states.shape[:2], capacity, value_states.shape[-1]))
+            if self.kbuf is not None:
+                kbuf.narrow(2, 0, self.length).copy_(self.kbuf.narrow(2, 0, self.length))
+                vbuf.narrow(2, 0, self.length).copy_(self.vbuf.narrow(2, 0, self.length))
+            self.kbuf, self.vbuf, self.capacity = kbuf, vbuf, capacity
+            self.device, self.is_initialized = kbuf.device, True
+
         def get_seq_length(self) -> int:
             return self.length
 
@@ -110,7 +118,14 @@ def _buffer_layer_class():
             return self.length + query_length, 0
 
         def crop(self, tokens_to_remove: int) -> None:
-            raise NotImplementedError("the pool rolls rows back with its validity mask")
+            """Drop the last ``-tokens_to_remove`` columns (transformers' convention: negative);
+            a solo sequence's rollback (the pool rolls rows back with its validity mask)."""
+            if tokens_to_remove > 0:
+                raise ValueError(f"crop takes a negative count of tokens to remove, not {tokens_to_remove}")
+            if tokens_to_remove == 0 or self.kbuf is None:
+                return
+            self.length = max(0, self.length + tokens_to_remove)
+            self.keys, self.values = self.kbuf.narrow(2, 0, self.length), self.vbuf.narrow(2, 0, self.length)
 
     return BufferLayer
 
@@ -136,47 +151,13 @@ def num_layers(model) -> int:
 
 
 def growing_cache(model):
-    """A solo sequence's cache: one layer per decoder layer over buffers written in place, grown
-    by doubling and cropped by moving its length back — where transformers' DynamicLayer
-    concatenates, copying the whole cache on every pass (what that costs: docs/engine.md,
-    "Batches underneath"). The same keys and values, in the same order: attention reads views
-    of them."""
+    """A solo sequence's cache: one buffer layer per decoder layer, grown by doubling and cropped
+    by moving its length back — where transformers' DynamicLayer concatenates, copying the whole
+    cache on every pass (what that costs: docs/engine.md, "Batches underneath"). The same keys
+    and values, in the same order: attention reads views of them."""
     from transformers.cache_utils import Cache
 
-    return Cache(layers=[_growing_layer_class()() for _ in range(num_layers(model))])
-
-
-@functools.cache
-def _growing_layer_class():
-    class GrowingLayer(_buffer_layer_class()):
-        def __init__(self):
-            super().__init__(None, None, 0)
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            end = self.length + key_states.shape[-2]
-            if end > self.capacity:
-                self._grow(key_states, value_states, max(end, 2 * self.capacity, 64))
-            return super().update(key_states, value_states)
-
-        def _grow(self, key_states, value_states, capacity: int) -> None:
-            kbuf = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[-1]))
-            vbuf = value_states.new_empty((*value_states.shape[:2], capacity, value_states.shape[-1]))
-            if self.kbuf is not None:
-                kbuf.narrow(2, 0, self.length).copy_(self.kbuf.narrow(2, 0, self.length))
-                vbuf.narrow(2, 0, self.length).copy_(self.vbuf.narrow(2, 0, self.length))
-            self.kbuf, self.vbuf, self.capacity = kbuf, vbuf, capacity
-            self.device, self.is_initialized = kbuf.device, True
-
-        def crop(self, tokens_to_remove: int) -> None:
-            """Drop the last ``-tokens_to_remove`` columns (transformers' convention: negative)."""
-            if tokens_to_remove > 0:
-                raise ValueError(f"crop takes a negative count of tokens to remove, not {tokens_to_remove}")
-            if tokens_to_remove == 0 or self.kbuf is None:
-                return
-            self.length = max(0, self.length + tokens_to_remove)
-            self.keys, self.values = self.kbuf.narrow(2, 0, self.length), self.vbuf.narrow(2, 0, self.length)
-
-    return GrowingLayer
+    return Cache(layers=[buffer_layer(None, None, 0) for _ in range(num_layers(model))])
 
 
 # -- a cache per sequence -------------------------------------------------------------------------
@@ -202,15 +183,6 @@ class SeqCaches(KVCache):
         self.model, self.device, self.forward, self.tree_attention = model, device, forward, tree_attention
         self.growing = poolable(model)
         self.seqs: dict[str, _SeqCache] = {}
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def __contains__(self, seq_id: str) -> bool:
-        return seq_id in self.seqs
-
-    def __getitem__(self, seq_id: str) -> _SeqCache:
-        return self.seqs[seq_id]
 
     def release(self, seq_ids: Sequence[str]) -> None:
         for s in seq_ids:

@@ -52,7 +52,7 @@ def pass_costs(drafter, verifier, tok, prompt):
     from cascade.sampling import Sampling
     from workers.hf import HFWorker
 
-    d, v = HFWorker.from_model(drafter), HFWorker.from_model(verifier)
+    d, v = HFWorker(drafter), HFWorker(verifier)
     ids = tok(prompt).input_ids
     greedy = Sampling(temperature=0.0)
     per_token = []

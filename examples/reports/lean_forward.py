@@ -35,7 +35,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for level in args.levels:
         model = AutoModelForCausalLM.from_pretrained(f"{args.family}/{level}", dtype=torch.float32).eval()
-        lean, plain = HFWorker.from_model(model), HFWorker.from_model(model, lean=False)
+        lean, plain = HFWorker(model), HFWorker(model, lean=False)
         c = model.config
         shape = (args.batch, c.num_key_value_heads, args.cached + max(args.widths), c.head_dim)
         kbufs = [torch.randn(shape, generator=gen) for _ in range(c.num_hidden_layers)]

@@ -37,12 +37,12 @@ def main() -> None:
         raise SystemExit(f"the few-row kernel is not used here: {few_rows.why_not()}")
     path = cache_dir("smollm2-135m-instruct")
     load = lambda dtype=torch.float32: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()  # noqa: E731
-    workers = {"kernel": HFWorker.from_model(load())}
+    workers = {"kernel": HFWorker(load())}
     few_rows._state.update(fn=None, reason="the comparison's other workers")  # built without it
-    workers["torch"] = HFWorker.from_model(load())
+    workers["torch"] = HFWorker(load())
     if native_bf16(torch.device("cpu")):
-        workers["bf16, prepacked"] = HFWorker.from_model(load(torch.bfloat16))
-        workers["bf16, F.linear"] = HFWorker.from_model(load(torch.bfloat16), packed_weights=False)
+        workers["bf16, prepacked"] = HFWorker(load(torch.bfloat16))
+        workers["bf16, F.linear"] = HFWorker(load(torch.bfloat16), packed_weights=False)
     widths = [int(w) for w in args.widths.split(",")]
     times = measure(workers, widths, 200, args.repeats)
     median = {name: {w: statistics.median(v) * 1000 for w, v in t.items()} for name, t in times.items()}
