@@ -88,7 +88,7 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     arch = _supported(model)
     if arch is None:
         return None
-    repeat_kv, rotate_half = arch.repeat_kv, arch.rotate_half
+    repeat_kv = arch.repeat_kv
     if pack is None:
         pack = _packable(model)
     # Products that read the same input (a layer's query, key and value projections; its gate
@@ -104,18 +104,22 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     if batch_invariant:
         linear = lambda *modules, plain=linear: _two_rows_at_least(plain(*modules))  # noqa: E731
 
-    def outputs(*modules) -> Callable[[torch.Tensor], list[torch.Tensor]]:
-        """``x -> [module(x) for module in modules]``: one product of them all side by side
-        (:func:`_linear_op`), split back, where ``joined``; else one product each."""
+    def outputs(*parts) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+        """``x -> [each part's modules' outputs side by side]``: one product of them all
+        (:func:`_linear_op`), split back by part, where ``joined``; else one product each (an
+        activation then reads a contiguous tensor, as transformers' does: SiLU rounds a strided
+        one differently in float32)."""
         if not joined:
-            products = [linear(m) for m in modules]
-            return lambda x: [product(x) for product in products]
-        product, sizes = linear(*modules), [m.weight.shape[0] for m in modules]
-        return lambda x: product(x).split(sizes, -1)
+            products = [[linear(m) for m in part] for part in parts]
+            return lambda x: [ps[0](x) if len(ps) == 1 else torch.cat([p(x) for p in ps], -1) for ps in products]
+        sizes = [sum(m.weight.shape[0] for m in part) for part in parts]
+        product = linear(*(m for part in parts for m in part))
+        return lambda x: product(x).split_with_sizes(sizes, -1)
     inner = model.model
     decoder = list(inner.layers[: model.config.num_hidden_layers])
     attn = decoder[0].self_attn
     head_dim, scaling, groups = attn.head_dim, attn.scaling, attn.num_key_value_groups
+    heads, kv_heads = model.config.num_attention_heads, attn.k_proj.weight.shape[0] // head_dim
     # Grouped-query attention: the kernel reads each key/value head for its group of query heads
     # (the same products as over repeated keys, without materialising the repeated copies).
     gqa = {"enable_gqa": True} if groups > 1 and _sdpa_gqa() else {}
@@ -136,9 +140,9 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     # a small model's matrix product); the ops below are the modules' own, in their order.
     weights = [(
         _norm(layer.input_layernorm),
-        outputs(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+        outputs((layer.self_attn.q_proj, layer.self_attn.k_proj), (layer.self_attn.v_proj,)),
         linear(layer.self_attn.o_proj), _norm(layer.post_attention_layernorm),
-        outputs(layer.mlp.gate_proj, layer.mlp.up_proj),
+        outputs((layer.mlp.gate_proj,), (layer.mlp.up_proj,)),
         linear(layer.mlp.down_proj), layer.mlp.act_fn,
         tuple(_norm(m) for m in _head_norms(layer.self_attn)) or None,
     ) for layer in decoder]
@@ -155,15 +159,21 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     def forward(input_ids, position_ids, layers: Sequence, valid, keep: int, among=None) -> torch.Tensor:
         rows, width = input_ids.shape
         hidden = inner.embed_tokens(input_ids)
+        # Rotary embedding as x * cos + rotate_half(x) * sin, rotate_half's negation moved into
+        # sin's first half (the same products: rounding is symmetric) so that it is a roll by half
+        # a head; [rows, width, 1, head_dim], applied to every query and key head at once.
         cos, sin = inner.rotary_emb(hidden, position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        half = head_dim // 2
+        cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]
         # The products run over the real positions only where pads are many (rows drafting
         # blocks of different lengths, idle rows of a pool): a pass then costs what its real
         # positions cost, as the policies price it, not its widest row times the rows.
         real = packed_positions(valid, rows, width)
-        spread = (lambda t: t) if real is None else (lambda t: _spread(t, real, rows, width))
-        if real is not None:
-            hidden = hidden.reshape(rows * width, -1).index_select(0, real)
+        # one row per position computed through the pass ([positions, hidden]), as the products take them
+        if real is None:
+            spread, hidden = (lambda t: t.view(rows, width, -1)), hidden.view(rows * width, -1)
+        else:
+            spread, hidden = (lambda t: _spread(t, real, rows, width)), hidden.view(rows * width, -1).index_select(0, real)
         mask = attention_mask(valid, width, layers[0].get_seq_length() + width, hidden.device, among)
         fold = groups > 1 and (1 < width <= FOLD_MOST_POSITIONS or (width == 1 and fold_one) or batch_invariant)
         if batch_invariant:  # each row's columns in its own order from column 0 (invariant_columns)
@@ -178,13 +188,11 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
                 zip(weights, layers)):
             if capture_layers and index in capture_layers:
                 taken[index] = spread(hidden)
-            x = _rms(hidden, *norm1)
-            q, k, v = (spread(y).view(rows, width, -1, head_dim) for y in qkv(x))
+            qk, v = (spread(y).view(rows, width, -1, head_dim) for y in qkv(_rms(hidden, *norm1)))
             if head_norms is not None:  # Qwen3: each head's query and key normalised
-                q, k = _rms(q, *head_norms[0]), _rms(k, *head_norms[1])
+                qk = torch.cat([_rms(qk[:, :, :heads], *head_norms[0]), _rms(qk[:, :, heads:], *head_norms[1])], 2)
+            q, k = (qk * cos + qk.roll(half, -1) * sin).split_with_sizes([heads, kv_heads], 2)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
             keys, values = cache.update(k, v)
             if batch_invariant:
                 if gather is not None:
@@ -202,8 +210,8 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
                 if groups > 1 and not gqa:
                     keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling, **gqa)
-            out = out.transpose(1, 2).reshape(rows, width, -1)
-            hidden = hidden + wo(out if real is None else out.reshape(rows * width, -1).index_select(0, real))
+            out = out.transpose(1, 2).reshape(rows * width, -1)
+            hidden = hidden + wo(out if real is None else out.index_select(0, real))
             gate, up = gate_up(_rms(hidden, *norm2))
             hidden = hidden + down(act(gate) * up)
         hidden = spread(hidden)
@@ -427,11 +435,20 @@ def _head_norms(attn) -> tuple:
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm.forward, op for op (statistics in float32, scaled back in the input dtype)."""
+    """LlamaRMSNorm.forward: statistics and normalisation in float32, rounded back to the input
+    dtype, times the weight. On a CPU, torch's ``F.rms_norm`` (>= 2.4) runs those very ops
+    (upcast, pow, mean, add, rsqrt, mul, cast back) in one call: the same values, bit for bit
+    (tests/test_lean.py), for a fraction of the cost of issuing them one by one, twice a layer."""
+    if x.device.type == "cpu" and x.dtype in _RMS_NORM_DTYPES and hasattr(F, "rms_norm"):
+        return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
     dtype = x.dtype
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+# the dtypes whose statistics F.rms_norm computes in float32, as LlamaRMSNorm does (float64's in float64)
+_RMS_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _supported(model):

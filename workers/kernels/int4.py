@@ -68,13 +68,13 @@ class QuantProduct:
         self.most_rows = 0  # set by quantized_products once measured
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (the lean forward's rows are 2-D)
         if self.repeat > 1:
             flat = flat.repeat(1, self.repeat)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*x.shape[:-1], self.out)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= self.most_rows:
