@@ -100,18 +100,18 @@ def path_tokens(tree, path) -> list[int]:
 
 
 def held(worker, s: str):
-    """(tokens, [(keys, values) [heads, tokens, head_dim] per layer]) the worker holds for ``s``,
+    """(positions, [(keys, values) [heads, positions, head_dim] per layer]) the worker holds for ``s``,
     with no tree pending; for a pool row, its valid columns in order (nothing else valid)."""
     if s in worker._caches.seqs:
         entry = worker._caches.seqs[s]
         assert entry.tree is None
-        return list(entry.tokens), [(layer.keys[0], layer.values[0]) for layer in entry.cache.layers]
+        return entry.length, [(layer.keys[0], layer.values[0]) for layer in entry.cache.layers]
     pool = worker._pool
     r = pool.row_of[s]
     assert r not in pool.trees
     cols = torch.tensor(pool.cols[r], dtype=torch.long)
-    assert len(cols) == len(pool.tokens[r]) == int(pool.valid[r].sum()) and bool(pool.valid[r, cols].all())
-    return list(pool.tokens[r]), [(k[r][:, cols], v[r][:, cols]) for k, v in zip(pool.kbufs, pool.vbufs)]
+    assert len(cols) == int(pool.valid[r].sum()) and bool(pool.valid[r, cols].all())
+    return len(cols), [(k[r][:, cols], v[r][:, cols]) for k, v in zip(pool.kbufs, pool.vbufs)]
 
 
 def same_cache(a, b, ids):

@@ -8,16 +8,17 @@ transformers' ``output_hidden_states`` gives as ``hidden_states[k]``). The level
 anyway while it scores; :class:`FeatureStore` keeps them per sequence, so that handing them to
 the head costs no extra pass.
 
-The store follows the worker's KV cache by positions: per sequence, the tokens whose features it
-holds and one feature row per token (row ``i``: the hidden state after reading tokens ``0..i``,
-which predicts token ``i + 1``). It keeps what the cache keeps (:meth:`FeatureStore.hold`), and
-every pass records what it fed after the cache's prefix (:meth:`FeatureStore.record`), so a
+The store follows the worker's KV cache by positions: per sequence, how many positions it holds
+features of and one feature row per position (row ``i``: the hidden state after reading tokens
+``0..i``, which predicts token ``i + 1``). It keeps what the cache keeps (:meth:`FeatureStore.hold`),
+and every pass records what it fed after the cache's prefix (:meth:`FeatureStore.record`), so a
 rejected block leaves no feature behind. A scored tree's nodes wait as pending, as in the cache,
-until the sequence's next call settles them (:func:`workers.trees.accepted_path`).
+until the cache settles them (:meth:`FeatureStore.settle`) or a read does
+(:func:`workers.trees.accepted_path`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -27,9 +28,9 @@ from workers.trees import accepted_path
 
 @dataclass
 class _Held:
-    tokens: list[int] = field(default_factory=list)
-    rows: torch.Tensor | None = None  # [capacity, hidden]; rows [0, len(tokens)) hold features
-    # a scored tree's (tokens, parents, rows [n, hidden]) after ``tokens``, until settled
+    length: int = 0  # the positions whose features it holds
+    rows: torch.Tensor | None = None  # [capacity, hidden]; rows [0, length) hold features
+    # a scored tree's (tokens, parents, rows [n, hidden]) after those positions, until settled
     tree: tuple[list[int], list[int], torch.Tensor] | None = None
 
 
@@ -68,8 +69,8 @@ def capture_layer_inputs(model, layers: Sequence[int], capture: Callable[[torch.
 
 
 class FeatureStore:
-    """Per sequence: the tokens a worker has fed and the feature at each of them (``hidden_size``
-    wide: the features' width, several layers' hidden states where a head fuses them)."""
+    """Per sequence: the feature at each position a worker has fed (``hidden_size`` wide: the
+    features' width, several layers' hidden states where a head fuses them)."""
 
     def __init__(self, hidden_size: int, layers: Sequence[int] | None = None):
         self.hidden_size = hidden_size
@@ -83,24 +84,29 @@ class FeatureStore:
         self.last = hidden.detach()
 
     @torch.inference_mode()  # the worker's passes make inference tensors
-    def record(self, seq_id: str, prefix: Sequence[int], fed: Sequence[int], rows: torch.Tensor,
+    def record(self, seq_id: str, past: int, rows: torch.Tensor,
                tree: tuple[Sequence[int], Sequence[int]] | None = None, tree_rows: torch.Tensor | None = None) -> None:
-        """A pass fed ``fed`` (features ``rows [len(fed), hidden]``) after ``prefix``, the tokens the
+        """A pass fed positions (features ``rows [fed, hidden]``) after the first ``past``, which the
         worker's cache held for the sequence, and, with ``tree``, that tree's nodes after them
-        (``tree_rows``), pending until the next call settles them."""
-        held = self.seqs.get(seq_id)
-        if held is None:
-            held = self.seqs[seq_id] = _Held()
-        if held.tree is not None:
-            self._settle(held, list(prefix) + list(fed))
-        del held.tokens[len(prefix):]  # what the cache kept, it kept of these (hold)
-        if len(held.tokens) < len(prefix):
-            # the cache holds tokens the store never saw (features were asked for late): keep the
+        (``tree_rows``), pending until settled. A tree still pending here is one the cache dropped
+        (it tells :meth:`settle` what it keeps)."""
+        held = self.seqs.setdefault(seq_id, _Held())
+        held.tree = None
+        held.length = min(held.length, past)  # what the cache kept, it kept of these (hold)
+        if held.length < past:
+            # the cache holds positions the store never saw (features were asked for late): keep the
             # contiguous part; :meth:`HFWorker.features` recomputes the rest when asked
             return
-        self._append(held, list(fed), rows)
+        self._append(held, rows)
         if tree is not None and len(tree[0]):
             held.tree = (list(tree[0]), list(tree[1]), tree_rows.detach().clone())
+
+    def settle(self, seq_id: str, path: Sequence[int]) -> None:
+        """The cache settled the tree scored last: keep the features of its nodes ``path`` (root
+        first), drop the others'."""
+        held = self.seqs.get(seq_id)
+        if held is not None and held.tree is not None:
+            self._settle(held, list(path))
 
     @torch.inference_mode()
     def read(self, seq_id: str, token_ids: Sequence[int], start: int) -> torch.Tensor | None:
@@ -113,9 +119,10 @@ class FeatureStore:
             return torch.zeros(0, self.hidden_size) if held is None or held.rows is None else held.rows[:0].clone()
         if held is None:
             return None
-        if held.tree is not None:
-            self._settle(held, token_ids)
-        if len(held.tokens) < end:  # ``token_ids`` continue what it holds (hold)
+        if held.tree is not None:  # scored last, the cache not called since: the path ``token_ids`` take
+            tokens, parents, _ = held.tree
+            self._settle(held, accepted_path(tokens, parents, token_ids, held.length))
+        if held.length < end:  # ``token_ids`` continue what it holds (hold)
             return None
         return held.rows[start:end].clone()
 
@@ -124,36 +131,31 @@ class FeatureStore:
         for s, n in zip(seq_ids, held):
             kept = self.seqs.get(s)
             if kept is not None:
-                if kept.tree is not None and n < len(kept.tokens):
+                if kept.tree is not None and n < kept.length:
                     kept.tree = None
-                del kept.tokens[n:]
+                kept.length = min(kept.length, n)
 
     def release(self, seq_ids: Sequence[str]) -> None:
         for s in seq_ids:
             self.seqs.pop(s, None)
 
-    def clear(self) -> None:
-        self.seqs.clear()
-        self.last = None
-
     # -- internals ----------------------------------------------------------------------------
 
     @staticmethod
-    def _append(held: _Held, tokens: list[int], rows: torch.Tensor) -> None:
-        if not tokens:
+    def _append(held: _Held, rows: torch.Tensor) -> None:
+        n, add = held.length, rows.shape[0]
+        if not add:
             return
-        n, add = len(held.tokens), rows.shape[0]
         if held.rows is None or held.rows.shape[0] < n + add:  # grow geometrically: appends stay cheap
             grown = rows.new_zeros((max(2 * (n + add), 64), rows.shape[-1]))
             if held.rows is not None and n:
                 grown[:n] = held.rows[:n]
             held.rows = grown
         held.rows[n:n + add] = rows
-        held.tokens.extend(tokens)
+        held.length = n + add
 
-    def _settle(self, held: _Held, sequence: Sequence[int]) -> None:
-        """Keep the pending tree's root-to-node path that ``sequence`` continues with; drop the rest."""
-        (tokens, parents, rows), held.tree = held.tree, None
-        path = accepted_path(tokens, parents, sequence, len(held.tokens))
+    def _settle(self, held: _Held, path: list[int]) -> None:
+        """Keep the pending tree's nodes ``path`` (a root-to-node path, root first); drop the rest."""
+        rows, held.tree = held.tree[2], None
         if path:
-            self._append(held, [tokens[i] for i in path], rows[path])
+            self._append(held, rows[path])

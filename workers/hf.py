@@ -262,24 +262,22 @@ class HFWorker(Worker):
         vocab = self.draft_vocab
         return rows if vocab is None else [vocab.to_authority_rows(r) for r in rows]
 
+    def _stores(self) -> list:
+        """What keeps per-sequence state: the caches, and the features kept for a head."""
+        return [s for s in (self._caches, self._pool or None, self._features) if s is not None]  # _pool: False too
+
     def hold(self, seq_ids: Sequence[str], held: Sequence[int]) -> None:
-        for cache in (self._caches, self._pool or None, self._features):  # _pool: False where the model rules it out
-            if cache is not None:
-                cache.hold(seq_ids, held)
+        for store in self._stores():
+            store.hold(seq_ids, held)
 
     def release(self, seq_ids: Sequence[str]) -> None:
-        self._caches.release(seq_ids)
-        if self._pool:
-            self._pool.release(seq_ids)
-        if self._features is not None:
-            self._features.release(seq_ids)
+        for store in self._stores():
+            store.release(seq_ids)
 
     def cached_sequences(self) -> int:
         return len(self._caches.seqs) + (len(self._pool.row_of) if self._pool else 0)
 
     def close(self) -> None:
-        self._caches.release(list(self._caches.seqs))
-        self._pool = None
-        if self._features is not None:
-            self._features.clear()
+        self._caches.seqs.clear()
+        self._pool = self._features = None
         self.model = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -165,8 +165,8 @@ def growing_cache(model):
 @dataclass
 class _SeqCache:
     cache: object  # a transformers Cache: growing_cache's, or a DynamicCache
-    tokens: list[int] = field(default_factory=list)  # the tokens whose keys/values it holds
-    # a scored tree whose nodes follow ``tokens`` in the cache, until the next call settles it
+    length: int = 0  # the positions whose keys/values it holds
+    # a scored tree whose nodes follow those positions in the cache, until the next call settles it
     tree: Pending | None = None
 
 
@@ -192,8 +192,8 @@ class SeqCaches(KVCache):
         for s, n in zip(seq_ids, held):
             entry = self.seqs.get(s)
             if entry is not None:
-                if entry.tree is not None and n < len(entry.tokens):
-                    self._settle(entry, None)  # rolled back past the tree's root
+                if entry.tree is not None and n < entry.length:
+                    self._settle(s, entry, None)  # rolled back past the tree's root
                 self._crop(entry, n)
 
     def score(self, seq_ids, token_ids, num_positions, trees: Trees = None) -> list[torch.Tensor]:
@@ -205,14 +205,14 @@ class SeqCaches(KVCache):
         """One sequence on its own cache: its uncached tail, then a tree's nodes."""
         entry, fresh = self._reconcile(seq_id, tokens, num_positions)
         nodes, parents = tree if tree else ([], [])
-        past, t, dev = len(entry.tokens), len(fresh), self.device
+        past, t, dev = entry.length, len(fresh), self.device
         new = torch.tensor([fresh + list(nodes)], dtype=torch.long, device=dev)
         positions = past + torch.tensor([list(range(t)) + [t + d for d in node_offsets(parents)]], device=dev)
         among = window_mask(t + len(nodes), t, parents)[None].to(dev) if nodes else None
         logits = self.forward(new, positions, entry.cache, None, num_positions + len(nodes), among)[0]
         if self.features is not None:
-            self._record(seq_id, entry.tokens, fresh, 0, tree if nodes else None)
-        entry.tokens.extend(fresh)
+            self._record(seq_id, past, t, 0, tree if nodes else None)
+        entry.length += t
         entry.tree = Pending(list(nodes), list(parents)) if nodes else None
         return host_logits(logits)
 
@@ -225,7 +225,7 @@ class SeqCaches(KVCache):
         news = [new + tree[0] for (_, new), tree in zip(rows, trees)] if trees else [new for _, new in rows]
         if trees:
             num_positions = [len(tree[0]) + 1 for tree in trees]
-        pasts = [len(entry.tokens) for entry, _ in rows]
+        pasts = [entry.length for entry, _ in rows]
         width, longest, batch, dev = max(len(new) for new in news), max(pasts), len(rows), self.device
         mask = torch.zeros(batch, longest + width, dtype=torch.long, device=dev)
         input_ids = torch.zeros(batch, width, dtype=torch.long, device=dev)
@@ -247,11 +247,11 @@ class SeqCaches(KVCache):
         for b, ((entry, fresh), new, n) in enumerate(zip(rows, news, num_positions)):
             tree = trees[b] if trees and trees[b][0] else None
             if self.features is not None:  # row b's new tokens start the window
-                self._record(seq_ids[b], entry.tokens, fresh, b, tree)
+                self._record(seq_ids[b], pasts[b], len(fresh), b, tree)
             for layer_idx, layer in enumerate(out.cache.layers):
                 entry.cache.update(layer.keys[b:b + 1, :, longest:longest + len(new)],
                                    layer.values[b:b + 1, :, longest:longest + len(new)], layer_idx)
-            entry.tokens.extend(fresh)
+            entry.length += len(fresh)
             entry.tree = Pending(list(tree[0]), list(tree[1])) if tree else None
             results.append(host_logits(out.logits[b, len(new) - n:len(new)]))
         return results
@@ -289,33 +289,34 @@ class SeqCaches(KVCache):
         if entry is None:
             entry = self.seqs[seq_id] = _SeqCache(self._new_cache())
         elif entry.tree is not None:
-            self._settle(entry, tokens)
-        keep = min(len(entry.tokens), len(tokens) - num_positions)
+            self._settle(seq_id, entry, tokens)
+        keep = min(entry.length, len(tokens) - num_positions)
         self._crop(entry, keep)
         return entry, tokens[keep:]
 
     @staticmethod
     def _crop(entry: _SeqCache, keep: int) -> None:
-        if keep < len(entry.tokens):
-            entry.cache.crop(keep - len(entry.tokens))
-            del entry.tokens[keep:]
+        if keep < entry.length:
+            entry.cache.crop(keep - entry.length)
+            entry.length = keep
 
-    @staticmethod
-    def _settle(entry: _SeqCache, tokens: list[int] | None) -> None:
+    def _settle(self, seq_id: str, entry: _SeqCache, tokens: list[int] | None) -> None:
         """Resolve the tree scored last: keep the path ``tokens`` take through it
-        (:func:`~workers.trees.accepted_path`; None: drop it)."""
+        (:func:`~workers.trees.accepted_path`; None: drop it), and so do the features."""
         tree, entry.tree = entry.tree, None
-        base = len(entry.tokens)
+        base = entry.length
         path = [] if tokens is None else accepted_path(tree.tokens, tree.parents, tokens, base)
         moves = [(base + i, base + j) for j, i in enumerate(path) if i != j]
         if moves:
             buffers = [kv for layer in entry.cache.layers for kv in (layer.keys, layer.values)]
             move_columns(buffers, [0] * len(moves), [s for s, _ in moves], [d for _, d in moves])
         entry.cache.crop(len(path) - len(tree.tokens))
-        entry.tokens.extend(tree.tokens[i] for i in path)
+        entry.length += len(path)
+        if self.features is not None:
+            self.features.settle(seq_id, path)
 
-    def _record(self, seq_id: str, prefix: list[int], fed: list[int], row: int, tree=None) -> None:
-        """Keep the features of row ``row`` of the pass that just ran: ``fed`` starts its window,
-        a tree's nodes follow."""
-        hidden, t, n = self.features.last[row], len(fed), len(tree[0]) if tree else 0
-        self.features.record(seq_id, prefix, fed, hidden[:t], tree, hidden[t:t + n] if n else None)
+    def _record(self, seq_id: str, past: int, fed: int, row: int, tree=None) -> None:
+        """Keep the features of row ``row`` of the pass that just ran: its ``fed`` positions after
+        the first ``past`` start its window, a tree's nodes follow."""
+        hidden, n = self.features.last[row], len(tree[0]) if tree else 0
+        self.features.record(seq_id, past, hidden[:fed], tree, hidden[fed:fed + n] if n else None)

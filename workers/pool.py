@@ -3,8 +3,7 @@ of one persistent batched cache (a :class:`~workers.kvcache.KVCache`).
 
 What it holds: per layer, preallocated key/value buffers ``[rows, heads, capacity, head_dim]``
 that a forward pass writes into in place (no per-step copy of the cache); a ``[rows, columns]``
-validity mask; and per row the sequence it serves, the tokens whose keys/values it holds and
-the columns holding them.
+validity mask; and per row the sequence it serves and the columns holding its positions.
 
 A pass appends every row's new tokens at the same new columns (a row with fewer tokens gets
 masked pad columns); a row rolls back by marking its trailing columns invalid; each row's
@@ -36,9 +35,8 @@ from workers.trees import positions as node_offsets  # a tree node's position af
 class Pool(KVCache):
     """The worker's sequences as rows of one batched KV cache (see the module docstring).
 
-    Per row: the tokens whose keys/values it holds (``tokens``) and the cache columns holding
-    them, in order (``cols``); ``valid[r, c]`` says whether column ``c`` of row ``r`` holds one
-    of them. Columns ``[0, used)`` are in use; the buffers have room for ``capacity``. A released
+    Per row: the cache columns holding its positions' keys/values, in order (``cols``, one a
+    position); ``valid[r, c]`` says whether column ``c`` of row ``r`` holds one of them. Columns ``[0, used)`` are in use; the buffers have room for ``capacity``. A released
     sequence frees its row for the next one to join.
     """
 
@@ -58,7 +56,6 @@ class Pool(KVCache):
         self.used = 0
         self.rows: list[str | None] = []  # seq_id per row; None: free
         self.row_of: dict[str, int] = {}
-        self.tokens: list[list[int]] = []
         self.cols: list[list[int]] = []
         self.trees: dict[int, Pending] = {}  # row -> its scored tree, until its next call settles it
 
@@ -76,7 +73,6 @@ class Pool(KVCache):
             self.vbufs = [torch.cat([b, b.new_zeros((count,) + b.shape[1:])]) for b in self.vbufs]
             self.layers = None
         self.rows.extend([None] * count)
-        self.tokens.extend([] for _ in range(count))
         self.cols.extend([] for _ in range(count))
 
     def _rebuild(self, keep_rows: list[int], capacity: int) -> None:
@@ -120,7 +116,6 @@ class Pool(KVCache):
         self.valid = valid
         self.used = width
         self.rows = [self.rows[r] for r in keep_rows]
-        self.tokens = [self.tokens[r] for r in keep_rows]
         self.cols = [self.cols[r] for r in keep_rows]
         self.trees = {i: self.trees[r] for i, r in enumerate(keep_rows) if r in self.trees}
         self.row_of = {s: i for i, s in enumerate(self.rows) if s is not None}
@@ -168,7 +163,6 @@ class Pool(KVCache):
             if r is None:
                 continue
             self.rows[r] = None
-            self.tokens[r] = []
             self.cols[r] = []
             self.trees.pop(r, None)
             self.valid[r] = False
@@ -237,18 +231,18 @@ class Pool(KVCache):
         """Keep what each row holds of the tokens it is handed (:meth:`hold`), its pending tree
         settled against them (dropped where it rolled back past the tree), and leave the positions
         that need logits uncached; return the tokens each row still has to feed."""
-        told = [self.told.pop(self.rows[r], len(self.tokens[r])) for r in rows]
+        told = [self.told.pop(self.rows[r], len(self.cols[r])) for r in rows]
         if self.trees:
-            self._settle(rows, [None if n < len(self.tokens[r]) else t for r, n, t in zip(rows, told, token_ids)])
+            self._settle(rows, [None if n < len(self.cols[r]) else t for r, n, t in zip(rows, told, token_ids)])
         news, drop_rows, drop_cols = [], [], []
         for r, toks, n, held in zip(rows, token_ids, num_positions, told):
             if not 1 <= n <= len(toks):
                 raise ValueError(f"num_positions={n} for a sequence of {len(toks)} tokens")
-            keep = min(held, len(self.tokens[r]), len(toks) - n)
+            keep = min(held, len(self.cols[r]), len(toks) - n)
             dropped = self.cols[r][keep:]
             drop_rows.extend([r] * len(dropped))
             drop_cols.extend(dropped)
-            del self.cols[r][keep:], self.tokens[r][keep:]
+            del self.cols[r][keep:]
             news.append(list(toks[keep:]))
         if drop_rows:
             dev = self.device
@@ -265,7 +259,7 @@ class Pool(KVCache):
             tree = self.trees.pop(r, None)
             if tree is None:
                 continue
-            path = [] if toks is None else accepted_path(tree.tokens, tree.parents, toks, len(self.tokens[r]))
+            path = [] if toks is None else accepted_path(tree.tokens, tree.parents, toks, len(self.cols[r]))
             for j, i in enumerate(path):
                 if i != j:
                     move_rows.append(r)
@@ -275,7 +269,8 @@ class Pool(KVCache):
             drop_rows.extend([r] * len(gone))
             drop_cols.extend(gone)
             self.cols[r].extend(range(tree.start, tree.start + len(path)))
-            self.tokens[r].extend(tree.tokens[i] for i in path)
+            if self.features is not None:
+                self.features.settle(self.rows[r], path)
         if move_rows:
             move_columns(self.kbufs + self.vbufs, move_rows, move_from, move_to)
         if drop_rows:
@@ -328,7 +323,7 @@ class Pool(KVCache):
         self.forward(input_ids.to(dev), positions.to(dev), layers, mask.to(dev), 1)
         if self.features is not None:  # each head ends the window; the rows held nothing before
             for i, (r, h) in enumerate(zip(rows, heads)):
-                self.features.record(self.rows[r], [], h, self.features.last[i, width - len(h):])
+                self.features.record(self.rows[r], 0, self.features.last[i, width - len(h):])
         used = self.used
         for layer, k, v in zip(layers, self.kbufs, self.vbufs):
             for i, (r, h) in enumerate(zip(rows, heads)):
@@ -337,7 +332,6 @@ class Pool(KVCache):
         for r, h in zip(rows, heads):
             self.valid[r, used - len(h):used] = True
             self.cols[r] = list(range(used - len(h), used))
-            self.tokens[r] = list(h)
 
     def _forward(self, rows: list[int], news: list[list[int]], num_positions, subset: bool | None = None,
                  trees=None):
@@ -360,7 +354,7 @@ class Pool(KVCache):
         fed: list[list[int]] = [[] for _ in batch_rows]  # idle rows: all pads
         for r, new in zip(rows, news):
             fed[slot[r]] = new
-        input_ids, positions, new_valid = self._window(fed, [len(self.tokens[r]) for r in batch_rows], width)
+        input_ids, positions, new_valid = self._window(fed, [len(self.cols[r]) for r in batch_rows], width)
         among = None
         if trees is not None:
             among = torch.ones(width, width, dtype=torch.bool).tril().repeat(len(batch_rows), 1, 1)
@@ -368,7 +362,7 @@ class Pool(KVCache):
                 if nodes:
                     n, i = len(nodes), slot[r]
                     among[i] = window_mask(width, width - n, parents)
-                    positions[i, width - n:] = len(self.tokens[r]) + len(new) - n + torch.tensor(node_offsets(parents))
+                    positions[i, width - n:] = len(self.cols[r]) + len(new) - n + torch.tensor(node_offsets(parents))
             if self.context_length:
                 positions.clamp_(max=self.context_length - 1)
             among = among.to(dev)
@@ -394,10 +388,9 @@ class Pool(KVCache):
             if self.features is not None:  # the row's new tokens (then its tree's nodes) end the window
                 hidden = self.features.last[slot[r]]
                 nodes = len(tree[0]) if tree else 0
-                self.features.record(self.rows[r], self.tokens[r], new, hidden[width - nodes - len(new):width - nodes],
+                self.features.record(self.rows[r], len(self.cols[r]), hidden[width - nodes - len(new):width - nodes],
                                      tree, hidden[width - nodes:] if nodes else None)
             self.cols[r].extend(range(end - len(new), end))
-            self.tokens[r].extend(new)
             results.append(logits_all[slot[r], keep - n:keep])
         return results
 
