@@ -170,10 +170,11 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         # positions cost, as the policies price it, not its widest row times the rows.
         real = packed_positions(valid, rows, width)
         # one row per position computed through the pass ([positions, hidden]), as the products take them
+        hidden = hidden.view(rows * width, -1)
         if real is None:
-            spread, hidden = (lambda t: t.view(rows, width, -1)), hidden.view(rows * width, -1)
+            spread = lambda t, *shape: t.view(rows, width, *shape)  # noqa: E731
         else:
-            spread, hidden = (lambda t: _spread(t, real, rows, width)), hidden.view(rows * width, -1).index_select(0, real)
+            spread, hidden = (lambda t, *shape: _spread(t, real, rows, width, *shape)), hidden.index_select(0, real)
         mask = attention_mask(valid, width, layers[0].get_seq_length() + width, hidden.device, among)
         fold = groups > 1 and (1 < width <= FOLD_MOST_POSITIONS or (width == 1 and fold_one) or batch_invariant)
         if batch_invariant:  # each row's columns in its own order from column 0 (invariant_columns)
@@ -183,12 +184,14 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
             gather, mask = invariant_columns(mask, per_position=among is not None)
         if fold and mask is not None:  # (never None over several positions)
             mask = mask.repeat(1, 1, groups, 1)
+        if mask is not None and not batch_invariant:  # SDPA's conversion of a boolean mask, once a pass
+            mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill_(~mask, float("-inf"))
         taken = {}  # the inputs of the layers a fused feature reads
         for index, ((norm1, qkv, wo, norm2, gate_up, down, act, head_norms), cache) in enumerate(
                 zip(weights, layers)):
             if capture_layers and index in capture_layers:
-                taken[index] = spread(hidden)
-            qk, v = (spread(y).view(rows, width, -1, head_dim) for y in qkv(_rms(hidden, *norm1)))
+                taken[index] = spread(hidden, -1)
+            qk, v = (spread(y, -1, head_dim) for y in qkv(_rms(hidden, *norm1)))
             if head_norms is not None:  # Qwen3: each head's query and key normalised
                 qk = torch.cat([_rms(qk[:, :, :heads], *head_norms[0]), _rms(qk[:, :, heads:], *head_norms[1])], 2)
             q, k = (qk * cos + qk.roll(half, -1) * sin).split_with_sizes([heads, kv_heads], 2)
@@ -214,7 +217,7 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
             hidden = hidden + wo(out if real is None else out.index_select(0, real))
             gate, up = gate_up(_rms(hidden, *norm2))
             hidden = hidden + down(act(gate) * up)
-        hidden = spread(hidden)
+        hidden = spread(hidden, -1)
         if capture is not None and capture_layers:
             capture(torch.cat([taken[k] for k in capture_layers], dim=-1))
         elif capture is not None:  # every position's features, for a feature head
@@ -244,11 +247,11 @@ def packed_positions(valid, rows: int, width: int) -> torch.Tensor | None:
     return real.nonzero().squeeze(1)
 
 
-def _spread(packed: torch.Tensor, real: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """``[n, features]`` over the real positions -> ``[rows, width, features]``, zeros at pads."""
+def _spread(packed: torch.Tensor, real: torch.Tensor, rows: int, width: int, *shape: int) -> torch.Tensor:
+    """``[n, features]`` over the real positions -> ``[rows, width, *shape]`` (the features), zeros at pads."""
     full = packed.new_zeros(rows * width, packed.shape[-1])
     full.index_copy_(0, real, packed)
-    return full.view(rows, width, -1)
+    return full.view(rows, width, *shape)
 
 
 def _logits(lm_head, hidden: torch.Tensor, valid, real) -> torch.Tensor:
@@ -439,7 +442,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype, times the weight. On a CPU, torch's ``F.rms_norm`` (>= 2.4) runs those very ops
     (upcast, pow, mean, add, rsqrt, mul, cast back) in one call: the same values, bit for bit
     (tests/test_lean.py), for a fraction of the cost of issuing them one by one, twice a layer."""
-    if x.device.type == "cpu" and x.dtype in _RMS_NORM_DTYPES and hasattr(F, "rms_norm"):
+    if x.is_cpu and x.dtype in _RMS_NORM_DTYPES:
         return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
     dtype = x.dtype
     x = x.to(torch.float32)
@@ -448,7 +451,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # the dtypes whose statistics F.rms_norm computes in float32, as LlamaRMSNorm does (float64's in float64)
-_RMS_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_RMS_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16) if hasattr(F, "rms_norm") else ()
 
 
 def _supported(model):
