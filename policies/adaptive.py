@@ -91,6 +91,9 @@ class EscalationParams(CostParams):
         16.0, description="Sequence-steps of a drafting path measured at a batch size after which, if its measured "
         "seconds per committed token exceed the authority alone's, the authority decodes alone (0: never).")
     realized_decay: Unit = Field(0.99, description="Per sequence-step decay of the measured seconds per token.")
+    realized_retry: Weight = Field(
+        512.0, description="Sequence-steps after which a drafting path that gave way to the authority alone is "
+        "measured afresh (0: never): a text or a load that changed is seen, and a path that gave way on noise comes back.")
 
 
 class AutoParams(EscalationParams):
@@ -214,10 +217,11 @@ class Realized:
     seconds: float = 0.0
     tokens: float = 0.0
     steps: float = 0.0  # sequence-steps
+    waited: float = 0.0  # sequence-steps it has given way since it was measured dearer
 
     def observe(self, seconds: float, tokens: int, decay: float) -> None:
         self.seconds, self.tokens = decay * self.seconds + seconds, decay * self.tokens + tokens
-        self.steps = decay * self.steps + 1.0
+        self.steps, self.waited = decay * self.steps + 1.0, 0.0
 
     def per_token(self) -> float | None:
         return self.seconds / self.tokens if self.tokens > 0 else None
@@ -469,7 +473,7 @@ class EscalationPolicy(CostAwarePolicy):
                          probes.by_request and regime.current.get(ctx.available) == (ctx.authority,))
         if not probes.queue and (probes.plans <= p.warmup * len(candidates) or probes.since >= probes.interval):
             probes.since = 0.0
-            probes.queue = self._probe_round(priced)
+            probes.queue = self._probe_round(priced, ctx.batch_size)
         return probes.take(regime.prices, candidates)
 
     def _exploit(self, ctx: PlanContext, regime: Regime, priced: dict, max_lookahead: int) -> Choice:
@@ -492,20 +496,30 @@ class EscalationPolicy(CostAwarePolicy):
         ``realized_after`` sequence-steps), cost more per committed token than the authority
         alone does (measured, or priced): then the authority alone. A price is a model and can
         miss a cost; the outcome decides between drafting and not (only that: measured paths
-        against priced ones would flee whatever was measured last)."""
+        against priced ones would flee whatever was measured last). A path that gave way is not
+        measured while it waits, so after ``realized_retry`` sequence-steps its measurement is
+        forgotten and its price decides again: the text, the load or the machine may have changed."""
         alone = (ctx.authority,)
         measured = self._realized(ctx, path)
         if len(path) < 2 or alone not in priced or measured is None:
             return path
-        return alone if measured > (self._realized(ctx, alone) or priced[alone][0]) else path
+        alone_measured = self._realized(ctx, alone)
+        if measured.per_token() <= (alone_measured.per_token() if alone_measured else priced[alone][0]):
+            return path
+        measured.waited += ctx.batch_size
+        if self.params.realized_retry and measured.waited >= self.params.realized_retry:
+            del self.realized[self.regime, batch_bucket(ctx.batch_size), path]
+            return path
+        return alone
 
-    def _realized(self, ctx: PlanContext, path: Path) -> float | None:
-        """Seconds per committed token ``path``'s steps measured at this batch size, if measured
-        over ``realized_after`` sequence-steps at least."""
+    def _realized(self, ctx: PlanContext, path: Path) -> Realized | None:
+        """What ``path``'s steps measured at this batch size, if measured over ``realized_after``
+        sequence-steps at least."""
         realized = self.realized.get((self.regime, batch_bucket(ctx.batch_size), path))
-        if realized is None or not self.params.realized_after or realized.steps < self.params.realized_after:
+        if realized is None or not self.params.realized_after or realized.steps < self.params.realized_after \
+                or realized.per_token() is None:
             return None
-        return realized.per_token()
+        return realized
 
     def _probe(self, ctx: PlanContext, path: Path, priced: dict, max_lookahead: int) -> Choice:
         """A probe of ``path``: its chain and its trees in turn, every edge of it measured."""
@@ -516,13 +530,15 @@ class EscalationPolicy(CostAwarePolicy):
             lookahead = self._estimates().path_cost(path, max_lookahead, batch=ctx.batch_size)[1]
         return path, _probing(path, lookahead), Step.PROBE, shape
 
-    def _probe_round(self, priced: dict[Path, tuple]) -> list[Path]:
+    def _probe_round(self, priced: dict[Path, tuple], batch: int) -> list[Path]:
         """The paths of the next probe round, in random order: all of them in the warm-up and in
-        every other round; otherwise the contenders, priced within ``1 + contender_margin`` of
-        the best."""
+        every other round at one sequence; otherwise the contenders, priced within ``1 +
+        contender_margin`` of the best. Under load a probe of a path priced out costs every
+        sequence of the batch a step, and its first level's catch-up on each of them, while
+        what it would measure (acceptance) is the same at any batch size."""
         self.probes.rounds += 1
         paths = list(priced)
-        if self.probes.rounds > self.params.warmup and self.probes.rounds % 2:
+        if self.probes.rounds > self.params.warmup and (self.probes.rounds % 2 or batch > 1):
             best = min(cost for cost, *_ in priced.values())
             paths = [p for p in paths if priced[p][0] <= (1 + self.params.contender_margin) * best]
         self.rng.shuffle(paths)

@@ -827,9 +827,9 @@ def test_drafting_that_measures_dearer_than_the_authority_alone_gives_way_to_it(
     out), decides between it and the authority alone."""
     graph = nx.DiGraph([("tiny", "large")])
 
-    def run(realized_after, step_seconds, catch_up=0):
-        policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9, realized_after=realized_after),
-                       graph)
+    def run(realized_after, step_seconds, catch_up=0, steps=40, retry=0):
+        policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9, realized_after=realized_after,
+                                        realized_retry=retry), graph)
         est = policy.estimates
         for level, seconds in (("tiny", 0.0), ("large", 0.010)):  # priced: tiny free, large flat in width
             for width in (1, 2, 3):
@@ -839,7 +839,7 @@ def test_drafting_that_measures_dearer_than_the_authority_alone_gives_way_to_it(
         edge.prior, edge.prior_weight = 0.5, 1e9  # priced a third cheaper than the authority alone
         c = PlanContext(graph, "large", 100, 0, frozenset(graph.nodes))
         paths = []
-        for _ in range(40):
+        for _ in range(steps):
             plan = policy.plan(c)
             paths.append(plan.path)
             policy.observe_pass(PassCost("large", 1, 1, 2, 0.010, catch_up=catch_up))
@@ -855,3 +855,9 @@ def test_drafting_that_measures_dearer_than_the_authority_alone_gives_way_to_it(
     assert all(p == ("tiny", "large") for p in run(0, 0.030))  # off: the price alone decides
     assert all(p == ("tiny", "large") for p in run(16, 0.008))  # measured cheaper than alone: kept
     assert all(p == ("tiny", "large") for p in run(16, 0.030, catch_up=100))  # catching up: not counted
+    # with realized_retry, a path that gave way is measured afresh after that many sequence-steps
+    # of waiting, and gives way again where it still measures dearer
+    drafted = [len(p) > 1 for p in run(16, 0.030, steps=200, retry=64)]
+    starts = [i for i, d in enumerate(drafted) if d and (i == 0 or not drafted[i - 1])]
+    assert len(starts) == 3 and all(60 <= b - a <= 100 for a, b in zip(starts, starts[1:]))
+    assert 0.2 < sum(drafted) / len(drafted) < 0.4  # 16-odd of each ~80 steps
