@@ -159,6 +159,36 @@ def test_lean_and_transformers_forward_agree_on_the_bundled_family(family, monke
                 assert torch.equal(x, y)  # the same ops on the same tensors: bit for bit
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_and_rotary_embedding_are_transformers_own_bit_for_bit(dtype, monkeypatch):
+    """The lean forward's RMSNorm (F.rms_norm on a CPU) and its rotary embedding (queries and keys
+    at once, a roll by half a head against a sign-folded sin) give transformers' values exactly:
+    the norm alone at any scale, and whole passes with F.linear's products and no folded
+    attention, whose logits equal transformers' forward bit for bit in float32 and bfloat16."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from workers.lean import _rms
+
+    norm = LlamaRMSNorm(48, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=torch.Generator().manual_seed(0)))
+    for scale in (1e-3, 1.0, 1e3):
+        x = (torch.randn(3, 5, 48, generator=torch.Generator().manual_seed(1)) * scale).to(dtype)
+        assert torch.equal(_rms(x, norm.weight, norm.variance_epsilon), norm(x))
+    monkeypatch.setattr("workers.lean.fold_one_position", lambda dtype, device: False)
+    for variant in ("mha", "qwen3-gqa-head-norms"):
+        model = make(**{**VARIANTS[variant], "num_key_value_heads": 4}).to(dtype)  # no grouped-query fold
+        lean, plain = HFWorker(model), HFWorker(model, lean=False)
+        lean.lean = lean_forward(model, pack=False)
+        rng = random.Random(3)
+        seqs = [[rng.randrange(61) for _ in range(n)] for n in (5, 11)]
+        for step in range(4):
+            for t in seqs:
+                t.extend(rng.randrange(61) for _ in range(1 + step % 2))
+            for x, y in zip(lean.score(["a", "b"], seqs, [1, 2]), plain.score(["a", "b"], seqs, [1, 2])):
+                assert torch.equal(x, y), variant
+
+
 def test_several_row_passes_through_prepacked_weights_keep_float32_products(without_few_rows):
     """Without the few-row kernel, where oneDNN is there (float32, CPU), a large weight gets a prepacked copy for passes of
     several rows and is itself stored column-major (same values) for passes of one row: the

@@ -105,10 +105,9 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         linear = lambda *modules, plain=linear: _two_rows_at_least(plain(*modules))  # noqa: E731
 
     def outputs(*parts) -> Callable[[torch.Tensor], list[torch.Tensor]]:
-        """``x -> [each part's modules' outputs side by side]``: one product of them all
-        (:func:`_linear_op`), split back by part, where ``joined``; else one product each (an
-        activation then reads a contiguous tensor, as transformers' does: SiLU rounds a strided
-        one differently in float32)."""
+        """``x -> [each part's modules' outputs side by side]``: one product of them all, split back
+        by part, where ``joined``; else one product each (SiLU then reads a contiguous tensor, as
+        in transformers: it rounds a strided one differently in float32)."""
         if not joined:
             products = [[linear(m) for m in part] for part in parts]
             return lambda x: [ps[0](x) if len(ps) == 1 else torch.cat([p(x) for p in ps], -1) for ps in products]
@@ -119,7 +118,7 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     decoder = list(inner.layers[: model.config.num_hidden_layers])
     attn = decoder[0].self_attn
     head_dim, scaling, groups = attn.head_dim, attn.scaling, attn.num_key_value_groups
-    heads, kv_heads = model.config.num_attention_heads, attn.k_proj.weight.shape[0] // head_dim
+    heads, kv_heads, half = model.config.num_attention_heads, attn.k_proj.weight.shape[0] // head_dim, head_dim // 2
     # Grouped-query attention: the kernel reads each key/value head for its group of query heads
     # (the same products as over repeated keys, without materialising the repeated copies).
     gqa = {"enable_gqa": True} if groups > 1 and _sdpa_gqa() else {}
@@ -159,11 +158,9 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     def forward(input_ids, position_ids, layers: Sequence, valid, keep: int, among=None) -> torch.Tensor:
         rows, width = input_ids.shape
         hidden = inner.embed_tokens(input_ids)
-        # Rotary embedding as x * cos + rotate_half(x) * sin, rotate_half's negation moved into
-        # sin's first half (the same products: rounding is symmetric) so that it is a roll by half
-        # a head; [rows, width, 1, head_dim], applied to every query and key head at once.
+        # x * cos + rotate_half(x) * sin with rotate_half's negation moved into sin (the same products:
+        # rounding is symmetric), a roll by half a head; [rows, width, 1, head_dim], for queries and keys at once
         cos, sin = inner.rotary_emb(hidden, position_ids)
-        half = head_dim // 2
         cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]
         # The products run over the real positions only where pads are many (rows drafting
         # blocks of different lengths, idle rows of a pool): a pass then costs what its real
@@ -438,10 +435,9 @@ def _head_norms(attn) -> tuple:
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm.forward: statistics and normalisation in float32, rounded back to the input
-    dtype, times the weight. On a CPU, torch's ``F.rms_norm`` (>= 2.4) runs those very ops
-    (upcast, pow, mean, add, rsqrt, mul, cast back) in one call: the same values, bit for bit
-    (tests/test_lean.py), for a fraction of the cost of issuing them one by one, twice a layer."""
+    """LlamaRMSNorm.forward: normalised in float32, rounded to the input dtype, times the weight. On a
+    CPU ``F.rms_norm`` (torch >= 2.4) runs those very ops (upcast, pow, mean, add, rsqrt, mul, cast
+    back) in one call, bit for bit (tests/test_lean.py), for less than issuing them one by one."""
     if x.is_cpu and x.dtype in _RMS_NORM_DTYPES:
         return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
     dtype = x.dtype
