@@ -644,8 +644,11 @@ class EscalationPolicy(CostAwarePolicy):
     def observe_pass(self, cost: PassCost) -> None:
         super().observe_pass(cost)
         # A level catching up (a prompt, a request joining, tokens it skipped) pays once what
-        # its steps then do not: such a step does not say what the path costs.
-        self._catching_up = self._catching_up or cost.catch_up > LevelCost.catch_up_positions
+        # its steps then do not: such a step does not say what the path costs. Prompt lookup
+        # catches up for nothing (it runs no pass): counted, its first step after the authority
+        # decoded alone left every short stretch of it unmeasured, and the measured rule blind.
+        if cost.catch_up > LevelCost.catch_up_positions and self.estimates.kinds.get(cost.level) != "ngram":
+            self._catching_up = True
 
     def observe(self, feedback: StepFeedback) -> None:
         super().observe(feedback)

@@ -854,9 +854,12 @@ def test_drafting_that_measures_dearer_than_the_authority_alone_gives_way_to_it(
     out), decides between it and the authority alone."""
     graph = nx.DiGraph([("tiny", "large")])
 
-    def run(realized_after, step_seconds, catch_up=0, steps=40, retry=0):
+    def run(realized_after, step_seconds, catch_up=0, steps=40, retry=0, lookup=False):
+        g = graph.copy()
+        if lookup:  # tiny is prompt lookup, and it is the level that catches up
+            g.nodes["tiny"]["kind"] = "ngram"
         policy = bound(EscalationPolicy(explore=0.0, warmup=0, probe_every=10**9, realized_after=realized_after,
-                                        realized_retry=retry), graph)
+                                        realized_retry=retry), g)
         est = policy.estimates
         for level, seconds in (("tiny", 0.0), ("large", 0.010)):  # priced: tiny free, large flat in width
             for width in (1, 2, 3):
@@ -864,12 +867,12 @@ def test_drafting_that_measures_dearer_than_the_authority_alone_gives_way_to_it(
                     est.costs.setdefault(level, LevelCost()).observe_pass(1, width, seconds, rows=1)
         edge = est.edge("tiny", "large")
         edge.prior, edge.prior_weight = 0.5, 1e9  # priced a third cheaper than the authority alone
-        c = PlanContext(graph, "large", 100, 0, frozenset(graph.nodes))
+        c = PlanContext(g, "large", 100, 0, frozenset(g.nodes))
         paths = []
         for _ in range(steps):
             plan = policy.plan(c)
             paths.append(plan.path)
-            policy.observe_pass(PassCost("large", 1, 1, 2, 0.010, catch_up=catch_up))
+            policy.observe_pass(PassCost("tiny" if lookup else "large", 1, 1, 2, 0.010, catch_up=catch_up))
             drafting = len(plan.path) > 1
             # each step commits one token (the drafts are never accepted): a drafting one in
             # step_seconds, the authority's alone in its pass's 10 ms
@@ -882,6 +885,9 @@ def test_drafting_that_measures_dearer_than_the_authority_alone_gives_way_to_it(
     assert all(p == ("tiny", "large") for p in run(0, 0.030))  # off: the price alone decides
     assert all(p == ("tiny", "large") for p in run(16, 0.008))  # measured cheaper than alone: kept
     assert all(p == ("tiny", "large") for p in run(16, 0.030, catch_up=100))  # catching up: not counted
+    # prompt lookup catches up for nothing (no pass): its steps count, and it gives way
+    lookup = run(16, 0.030, catch_up=100, lookup=True)
+    assert all(p == ("tiny", "large") for p in lookup[:16]) and all(p == ("large",) for p in lookup[20:])
     # with realized_retry, a path that gave way is measured afresh after that many sequence-steps
     # of waiting, and gives way again where it still measures dearer
     drafted = [len(p) > 1 for p in run(16, 0.030, steps=200, retry=64)]
