@@ -65,15 +65,16 @@ class Pool(KVCache):
     def capacity(self) -> int:
         return self.valid.shape[1]
 
-    def _add_rows(self, count: int) -> None:
-        dev = self.device
-        self.valid = torch.cat([self.valid, torch.zeros(count, self.capacity, dtype=torch.bool, device=dev)])
+    def _pad(self, rows: int = 0, columns: int = 0) -> None:
+        """``rows`` more rows (free) and ``columns`` more columns, zeroed: masked columns are read too."""
+        pad = torch.nn.functional.pad
+        self.valid = pad(self.valid, (0, columns, 0, rows))
         if self.kbufs is not None:
-            self.kbufs = [torch.cat([b, b.new_zeros((count,) + b.shape[1:])]) for b in self.kbufs]
-            self.vbufs = [torch.cat([b, b.new_zeros((count,) + b.shape[1:])]) for b in self.vbufs]
+            self.kbufs = [pad(b, (0, 0, 0, columns, 0, 0, 0, rows)) for b in self.kbufs]
+            self.vbufs = [pad(b, (0, 0, 0, columns, 0, 0, 0, rows)) for b in self.vbufs]
             self.layers = None
-        self.rows.extend([None] * count)
-        self.cols.extend([] for _ in range(count))
+        self.rows.extend([None] * rows)
+        self.cols.extend([] for _ in range(rows))
 
     def _rebuild(self, keep_rows: list[int], capacity: int) -> None:
         """Keep only ``keep_rows`` (in that order) and each one's valid columns, gathered to the
@@ -127,20 +128,6 @@ class Pool(KVCache):
             return self.cols[r]
         return self.cols[r] + list(range(tree.start, tree.start + len(tree.tokens)))
 
-    def _grow(self, capacity: int) -> None:
-        dev = self.device
-        self.valid = torch.cat([self.valid, torch.zeros(self.valid.shape[0], capacity - self.capacity,
-                                                        dtype=torch.bool, device=dev)], dim=1)
-        if self.kbufs is not None:
-            def grow(buf):
-                new = buf.new_zeros(buf.shape[:2] + (capacity, buf.shape[3]))  # zeroed: masked columns are read too
-                new[:, :, :self.used] = buf[:, :, :self.used]
-                return new
-
-            self.kbufs = [grow(b) for b in self.kbufs]
-            self.vbufs = [grow(b) for b in self.vbufs]
-            self.layers = None
-
     def _make_room(self, width: int) -> None:
         """Room for ``width`` more columns: compact if most columns are holes, else grow."""
         longest = max((len(self._held(r)) for r in range(len(self.rows))), default=0)
@@ -148,7 +135,7 @@ class Pool(KVCache):
         if holes > 16 and 4 * holes > self.used:
             self._rebuild(list(range(len(self.rows))), max(self.capacity, longest + width))
         if self.used + width > self.capacity:  # with headroom: growing copies the cache
-            self._grow(max(2 * self.capacity, 2 * (self.used + width), 64))
+            self._pad(columns=max(2 * self.capacity, 2 * (self.used + width), 64) - self.capacity)
 
     def hold(self, seq_ids, held) -> None:
         # applied by the sequences' next pass as it begins: after seating them, whose compaction
@@ -214,7 +201,7 @@ class Pool(KVCache):
         if joining:
             free = [r for r, s in enumerate(self.rows) if s is None]
             if len(free) < len(joining):
-                self._add_rows(len(joining) - len(free))
+                self._pad(rows=len(joining) - len(free))
                 free = [r for r, s in enumerate(self.rows) if s is None]
             for s, r in zip(joining, free):
                 self.rows[r] = s
