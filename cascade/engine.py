@@ -138,10 +138,10 @@ class _StepRecord:
                        for e in self.edges)
         return StepProvenance(plan.path, tuple(tokens), tuple(origins), blocks)
 
-    def feedback(self, plan: StepPlan, produced: int, seq_id: str, sampled: bool) -> StepFeedback:
+    def feedback(self, plan: StepPlan, produced: int, seq_id: str, sampled: bool, seconds: float) -> StepFeedback:
         confidence = sum(self.confidence) / len(self.confidence) if self.confidence else None
         return StepFeedback(plan, tuple(self.edges), self.seconds, self.passes, produced, confidence, seq_id,
-                            sampled=sampled)
+                            sampled=sampled, seconds=seconds)
 
 
 @dataclass(slots=True)
@@ -314,9 +314,12 @@ class Engine:
         provenance gets the step's :class:`StepProvenance` appended (uncut; the caller cuts it too).
         """
         seqs = [_Seq(s, _StepRecord(s.stats), s.request.prompt_ids + s.generated, b) for s, b in zip(group, budgets)]
+        t0 = time.perf_counter()
         self._extend(seqs, len(plan.path) - 1, plan, policy)
+        share = (time.perf_counter() - t0) / len(seqs)
         for s in seqs:
-            policy.observe(s.record.feedback(plan, len(s.tokens), s.state.seq_id, not s.state.request.sampling.greedy))
+            policy.observe(s.record.feedback(plan, len(s.tokens), s.state.seq_id, not s.state.request.sampling.greedy,
+                                             share))
             if s.state.provenance is not None:
                 s.state.provenance.append(s.record.provenance(plan, s.tokens, s.origins))
         return [s.tokens for s in seqs]

@@ -207,9 +207,10 @@ class Regime:
 
 @dataclass
 class Realized:
-    """What a path's steps really cost, per committed token, as its sequences saw it: every
-    level's share of the passes, summed, against the tokens committed (decayed sums; one per
-    sampling regime, batch-size bucket and path chosen). The price is a model — passes' fixed and
+    """What a path's steps really cost, per committed token, as its sequences saw it: each
+    sequence's share of the step's wall time (the levels' passes and the engine's work around
+    them; the levels' seconds where a step was not timed) against the tokens committed (decayed
+    sums; one per sampling regime, batch-size bucket and path chosen). The price is a model — passes' fixed and
     per-position costs, acceptance by position — and leaves out what it does not model (a
     proposer whose blocks are cut short or that matches in few rows, drafting passes that do not
     share the batch as the verifier's do); this is the measured outcome."""
@@ -659,8 +660,8 @@ class EscalationPolicy(CostAwarePolicy):
                 and (proposed or self._planned[3] != Step.PROBE):
             _, path, batch, _ = self._planned
             key = (self.regime, batch_bucket(batch), path)
-            self.realized.setdefault(key, Realized()).observe(
-                sum(feedback.level_seconds.values()), feedback.committed, self.params.realized_decay)
+            spent = feedback.seconds if feedback.seconds is not None else sum(feedback.level_seconds.values())
+            self.realized.setdefault(key, Realized()).observe(spent, feedback.committed, self.params.realized_decay)
         if probes.last is not None and not probes.drafted and feedback.plan.path == probes.last:
             probes.drafted = proposed
         if probes.by_request and proposed:

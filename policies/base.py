@@ -155,6 +155,9 @@ class StepFeedback:
     confidence: float | None = None  # mean probability the path's first level gave its drafts
     seq_id: str | None = None  # the sequence this step advanced
     sampled: bool = False  # whether the step sampled (temperature > 0) or decoded greedily
+    # the sequence's share of the step's wall time: the levels' passes and the engine's work
+    # around them (verification, sampling); None where the step was not timed
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ def test_greedy_identity_on_every_path_shape(family, tokenizer, tmp_path):
 
 def test_the_policy_is_told_whether_a_step_samples(family, tokenizer, tmp_path):
     """Each plan and each step's feedback say whether the group samples, so that `auto` keeps
-    greedy and sampled estimates apart: a sampled request leaves the greedy ones as they were."""
+    greedy and sampled estimates apart: a sampled request leaves the greedy ones as they were.
+    The feedback carries the sequence's share of the step's wall time too."""
     from policies.adaptive import AutoPolicy
 
     class Told(AutoPolicy):
@@ -70,6 +71,8 @@ def test_the_policy_is_told_whether_a_step_samples(family, tokenizer, tmp_path):
 
         def observe(self, feedback):
             told.append(("observe", feedback.sampled))
+            # and its share of the step's wall time, which holds the levels' passes
+            assert feedback.seconds >= 0.999 * sum(feedback.level_seconds.values()) > 0
             super().observe(feedback)
 
     told: list[tuple[str, bool]] = []
