@@ -440,10 +440,8 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     back) in one call, bit for bit (tests/test_lean.py), for less than issuing them one by one."""
     if x.is_cpu and x.dtype in _RMS_NORM_DTYPES:
         return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    x32 = x.to(torch.float32)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 # the dtypes whose statistics F.rms_norm computes in float32, as LlamaRMSNorm does (float64's in float64)
