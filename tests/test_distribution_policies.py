@@ -67,7 +67,9 @@ def test_joint_distribution_under_adaptive_policies(tmp_path, name, params, batc
         assert stops > 20, total
     if name in ("escalation", "auto"):  # more than one path was taken
         assert len(total.edges) >= 2 and all(e.proposed > 0 for e in total.edges.values()), total
-    if name == "auto":  # its probes drafted trees too (AutoParams.trees), verified by the tree rule
+    if name == "auto" and batch_size == 1:  # its probes drafted trees too (AutoParams.trees), verified by
+        # the tree rule (at more than one sequence a probe takes only the shape priced cheapest
+        # there: batched trees under the tree rule are tests/test_distribution_trees.py's)
         assert sum(e.tree_nodes for e in total.edges.values()) > 100, total
     if name == "cost-aware":  # its lookahead put drafts in front of the verifier
         assert sum(e.proposed for e in total.edges.values()) > 100, total
