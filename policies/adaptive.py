@@ -93,7 +93,8 @@ class EscalationParams(CostParams):
     realized_decay: Unit = Field(0.99, description="Per sequence-step decay of the measured seconds per token.")
     realized_retry: Weight = Field(
         512.0, description="Sequence-steps after which a drafting path that gave way to the authority alone is "
-        "measured afresh (0: never): a text or a load that changed is seen, and a path that gave way on noise comes back.")
+        "measured afresh (0: never): a text or a load that changed is seen, and a path that gave way on noise comes "
+        "back; doubled, up to 8 times, each time it measures dearer again.")
 
 
 class AutoParams(EscalationParams):
@@ -417,6 +418,7 @@ class EscalationPolicy(CostAwarePolicy):
         self._all_paths: dict[frozenset[str], list[Path]] = {}
         self._stand_in: tuple[str, int] | None = None  # the last exploit's stand-in for prompt lookup
         self.realized: dict[tuple, Realized] = {}  # (regime, batch bucket, path chosen) -> measured cost
+        self._retry_after: dict[tuple, float] = {}  # such a key -> sequence-steps it waits, backed off
         self._planned: tuple[StepPlan, Path, int, Step] | None = None  # the last plan, its path, batch size, kind
         self._catching_up = False  # whether a call of the last plan's step fed positions it did not score
 
@@ -499,17 +501,22 @@ class EscalationPolicy(CostAwarePolicy):
         miss a cost; the outcome decides between drafting and not (only that: measured paths
         against priced ones would flee whatever was measured last). A path that gave way is not
         measured while it waits, so after ``realized_retry`` sequence-steps its measurement is
-        forgotten and its price decides again: the text, the load or the machine may have changed."""
+        forgotten and its price decides again: the text, the load or the machine may have changed.
+        Each time it measures dearer again it waits twice as long, up to 8 times (a trial at 16
+        sequences is one step of the dearer path, which can cost several)."""
         alone = (ctx.authority,)
         measured = self._realized(ctx, path)
         if len(path) < 2 or alone not in priced or measured is None:
             return path
-        alone_measured = self._realized(ctx, alone)
+        key, alone_measured = (self.regime, batch_bucket(ctx.batch_size), path), self._realized(ctx, alone)
         if measured.per_token() <= (alone_measured.per_token() if alone_measured else priced[alone][0]):
+            self._retry_after.pop(key, None)
             return path
         measured.waited += ctx.batch_size
-        if self.params.realized_retry and measured.waited >= self.params.realized_retry:
-            del self.realized[self.regime, batch_bucket(ctx.batch_size), path]
+        wait = self._retry_after.get(key, self.params.realized_retry)
+        if wait and measured.waited >= wait:  # measured afresh; again dearer, it waits twice as long
+            del self.realized[key]
+            self._retry_after[key] = min(2 * wait, 8 * self.params.realized_retry)
             return path
         return alone
 
