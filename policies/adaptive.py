@@ -220,6 +220,7 @@ class Realized:
     tokens: float = 0.0
     steps: float = 0.0  # sequence-steps
     waited: float = 0.0  # sequence-steps it has given way since it was measured dearer
+    wait: float | None = None  # sequence-steps it waits before it is measured afresh (None: realized_retry)
 
     def observe(self, seconds: float, tokens: int, decay: float) -> None:
         self.seconds, self.tokens = decay * self.seconds + seconds, decay * self.tokens + tokens
@@ -418,7 +419,6 @@ class EscalationPolicy(CostAwarePolicy):
         self._all_paths: dict[frozenset[str], list[Path]] = {}
         self._stand_in: tuple[str, int] | None = None  # the last exploit's stand-in for prompt lookup
         self.realized: dict[tuple, Realized] = {}  # (regime, batch bucket, path chosen) -> measured cost
-        self._retry_after: dict[tuple, float] = {}  # such a key -> sequence-steps it waits, backed off
         self._planned: tuple[StepPlan, Path, int, Step] | None = None  # the last plan, its path, batch size, kind
         self._catching_up = False  # whether a call of the last plan's step fed positions it did not score
 
@@ -508,15 +508,15 @@ class EscalationPolicy(CostAwarePolicy):
         measured = self._realized(ctx, path)
         if len(path) < 2 or alone not in priced or measured is None:
             return path
-        key, alone_measured = (self.regime, batch_bucket(ctx.batch_size), path), self._realized(ctx, alone)
+        alone_measured = self._realized(ctx, alone)
         if measured.per_token() <= (alone_measured.per_token() if alone_measured else priced[alone][0]):
-            self._retry_after.pop(key, None)
+            measured.wait = None
             return path
         measured.waited += ctx.batch_size
-        wait = self._retry_after.get(key, self.params.realized_retry)
+        wait = self.params.realized_retry if measured.wait is None else measured.wait
         if wait and measured.waited >= wait:  # measured afresh; again dearer, it waits twice as long
-            del self.realized[key]
-            self._retry_after[key] = min(2 * wait, 8 * self.params.realized_retry)
+            self.realized[self.regime, batch_bucket(ctx.batch_size), path] = Realized(
+                wait=min(2 * wait, 8 * self.params.realized_retry))
             return path
         return alone
 
@@ -532,8 +532,8 @@ class EscalationPolicy(CostAwarePolicy):
     def _probe(self, ctx: PlanContext, path: Path, priced: dict, max_lookahead: int) -> Choice:
         """A probe of ``path``: its chain and its trees in turn, every edge of it measured; at
         more than one sequence only the shape priced cheapest there (a tree's nodes cost the
-        verifier a position each per sequence: a deep tree probed at 4 sequences took ~1 s, 15
-        steps' worth, on SmolLM2; acceptance by rank is the same at any batch size)."""
+        verifier a position each per sequence, while acceptance by rank is the same at any batch
+        size; docs/policies.md)."""
         if ctx.batch_size > 1:
             shape = priced[path][2]
         else:
