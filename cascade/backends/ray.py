@@ -7,9 +7,10 @@ actors are created) that builds the level's worker with :func:`cascade.api.build
 does not know where a level runs. :class:`RayBackend` places the actors in one placement group,
 supervises them and removes everything it created on :meth:`RayBackend.close`.
 
-Wire cost (cascade/DESIGN.md §4). Per call the driver sends the tokens the actor has not seen yet (the
-actor keeps the last sequence it was sent; after a restart it asks for the whole sequence once)
-and the actor answers with sampling rows, not logits: warping happens next to the model and only
+Wire cost (cascade/DESIGN.md §4). Per call the driver sends each sequence's tokens past the
+engine's count of what the level holds (``Worker.hold``), as far as the actor was sent them (it
+keeps the last sequence it was sent; after a restart it asks for the whole sequence once), and
+the actor answers with sampling rows, not logits: warping happens next to the model and only
 the nonzero entries travel, so a greedy row is one (index, value) pair. Verification needs
 exactly those rows (cascade/DESIGN.md §2); nothing is rounded, so results are bit-identical to the
 in-process backend. Messages are plain tuples of ints and bytes, which Ray pickles fastest
@@ -30,7 +31,7 @@ Faults. Actors restart up to ``ray.max_restarts`` times and Ray re-runs the inte
 the new actor, which rebuilds its cache from the full sequence (a fresh worker holds nothing,
 whatever the engine says it held: ``Worker.hold`` only drops), so the request completes with the
 same tokens. The engine's ``hold`` goes with a sequence's next call (:meth:`RayWorker.hold`), no
-call of its own; the wire sends each call the tokens after those the actor was last sent. A level that stays down raises
+call of its own, and the wire sends the tokens past it. A level that stays down raises
 :class:`~cascade.errors.WorkerError` naming it: the engine continues without a draft level and
 fails with the committed prefix if it is the authority.
 """
@@ -263,8 +264,9 @@ class RayWorker(Worker):
         self.drafts_trees = bool(info.get("drafts_trees", self.can_score))
         self.call_timeout_s = call_timeout_s
         self.wire = WireStats()
-        self._sent: dict[str, list[int]] = {}  # what the actor was last sent, per sequence
         self._held: dict[str, int] = {}  # what the engine says the level holds, for the next call (hold)
+        self._sent: dict[str, int] = {}  # how many tokens of each sequence the actor has: its last call's
+        self._handed: dict[str, int] = {}  # a hand-off's sequences, which the next call continues (RayHeadWorker)
 
     # Worker interface ------------------------------------------------------------------------
 
@@ -319,6 +321,7 @@ class RayWorker(Worker):
         for s in seq_ids:
             self._sent.pop(s, None)
             self._held.pop(s, None)
+            self._handed.pop(s, None)
         try:  # fire and forget: a dead actor has nothing left to release
             self.actor.release.options(max_task_retries=0).remote(list(seq_ids), level=self.name)
         except Exception:  # noqa: BLE001
@@ -350,13 +353,18 @@ class RayWorker(Worker):
 
     def _call_seqs(self, method: str, seq_ids, token_ids, *args):
         """Call ``method`` sending each sequence as (kept prefix length, new tokens); if the actor
-        does not hold the prefix (it restarted), send the whole sequences once more."""
+        does not hold the prefix (it restarted), send the whole sequences once more.
+
+        What is kept is the engine's count of what the level holds (:meth:`hold`), as far as the
+        actor was sent the sequence: a level also holds the positions it drafted, or scored in a
+        tree, whose tokens it was never sent. Right after a hand-off the call continues the
+        sequence handed over (:meth:`RayHeadWorker.hand_off`). No token list is compared."""
         seq_ids = list(seq_ids)
-        seqs = [list(t) for t in token_ids]
-        keeps = [_common_prefix(self._sent.get(s, []), t) for s, t in zip(seq_ids, seqs)]
         held = {s: self._held.pop(s) for s in seq_ids if s in self._held}
+        keeps = [self._handed.pop(s) if s in self._handed else min(held.get(s, 0), self._sent.get(s, 0))
+                 for s in seq_ids]
         for attempt in range(2):
-            suffixes = [t[k:] for k, t in zip(keeps, seqs)]  # a few small ints: a list pickles fastest
+            suffixes = [list(t[k:]) for k, t in zip(keeps, token_ids)]  # a few small ints: a list pickles fastest
             self.wire.sent += sum(4 * len(a) + 8 for a in suffixes) + 8 * (len(seq_ids) + len(held)) + 24
             try:
                 result = self._call(method, seq_ids, keeps, suffixes, held, *args)
@@ -369,11 +377,10 @@ class RayWorker(Worker):
                     self._held.setdefault(s, n)
                 raise
             if result is not None:
-                for s, t in zip(seq_ids, seqs):
-                    self._sent[s] = t
+                self._sent.update(zip(seq_ids, (len(t) for t in token_ids)))
                 return result
             self.wire.resyncs += 1
-            keeps = [0] * len(seqs)
+            keeps = [0] * len(seq_ids)
         raise WorkerError(f"level {self.name!r}: the actor lost the sequence twice in a row", level=self.name)
 
     def _call(self, method: str, *args):
@@ -398,10 +405,10 @@ class RayWorker(Worker):
 
 class RayHeadWorker(RayWorker):
     """A feature head (``kind: head``) living in the actor of the level it reads (``features_of``):
-    its calls go to that actor naming the head, with its own delta-sent sequences and wire
-    stats. :meth:`hand_off` is the engine's hand-off in one remote call: the actor hands its own
-    worker's features to the head, so they never cross the wire. The actor is its source's:
-    :meth:`close` leaves it to that level."""
+    its calls go to that actor naming the head, with its own sent sequences and wire stats.
+    :meth:`hand_off` is the engine's hand-off in one remote call: the actor hands its own worker's
+    features to the head, so they never cross the wire. The actor is its source's: :meth:`close`
+    leaves it to that level."""
 
     can_score = False
 
@@ -424,23 +431,26 @@ class RayHeadWorker(RayWorker):
             raise ValueError(f"level {self.name!r}: a feature head under Ray takes the features of the level "
                              f"whose actor it lives in ({self.features_of!r}), not of {other!r}")
         ends = [int(e) for e in ends]
-        source_held, source._held = source._held, {}  # what the source computes from (Engine._hand_features)
+        seq_ids = list(seq_ids)
+        self._handed = {}  # one a call never followed (a tree with no depth to grow)
+        held = {s: self._held.get(s, 0) for s in seq_ids}  # the engine's count of what the head holds of them
+        # What the source computes from (Engine._hand_features): past it the engine's record now
+        # shows the positions computed here, whose tokens the source's own proxy never sent.
+        source_held, source._held = source._held, {}
+        for s, n in source_held.items():
+            source._sent[s] = min(source._sent.get(s, 0), n)
         self.wire.sent += 4 * len(ends) + 8 * len(source_held)
         asked = self._call_seqs("hand_features", seq_ids, token_ids, ends, source_held)
         self.wire.received += 4 * len(asked) + 8
+        # The engine's next call on the head drafts from these sequences (and on): nothing to
+        # resend. Past that call the engine's count is what holds (the sequences handed over may
+        # roll back before the head's record shows them).
+        self._handed = {s: len(t) for s, t in zip(seq_ids, token_ids)}
+        self._sent.update(held)
         return list(asked)
 
     def close(self) -> None:
         self._sent.clear()  # the actor is its source level's, closed with it
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How much of the list last sent (``a``) the next (``b``) repeats: the wire sends the rest.
-    The wire's own delta encoding; what a worker holds is the engine's to say (Worker.hold)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
 
 
 # -- placement and lifecycle ---------------------------------------------------------------------
