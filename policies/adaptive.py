@@ -530,11 +530,12 @@ class EscalationPolicy(CostAwarePolicy):
         return realized
 
     def _probe(self, ctx: PlanContext, path: Path, priced: dict, max_lookahead: int) -> Choice:
-        """A probe of ``path``: its chain and its trees in turn, every edge of it measured; at
-        more than one sequence only the shape priced cheapest there (a tree's nodes cost the
-        verifier a position each per sequence, while acceptance by rank is the same at any batch
-        size; docs/policies.md)."""
-        if ctx.batch_size > 1:
+        """A probe of ``path``: a round's at one sequence takes its chain and its trees in turn,
+        every edge of it measured; a request's own, and any at more than one sequence, only the
+        shape priced cheapest there (a tree's nodes cost the verifier a position each per
+        sequence, while acceptance by rank is the same at any batch size and in any request: a
+        request's probe asks how its text accepts; docs/policies.md)."""
+        if ctx.batch_size > 1 or self.probes.by_request:
             shape = priced[path][2]
         else:
             shapes, turn = self._shapes(ctx, path), self.probes.turns.get(path, 0)

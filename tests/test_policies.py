@@ -600,8 +600,8 @@ def test_auto_takes_a_tree_only_where_it_pays():
 
 
 def test_probes_under_load_take_the_shape_priced_there_and_only_contenders():
-    """At one sequence a path's probes take its chain and each tree in turn, and every other
-    round probes every path; at more than one sequence a probe takes only the shape priced
+    """At one sequence a round's probes of a path take its chain and each tree in turn (a new
+    request's own probe only the shape priced cheapest), and every other round probes every path; at more than one sequence a probe takes only the shape priced
     cheapest there, and rounds only the contenders: a probe pays for every sequence of the
     batch (a tree's nodes, each of them, and a lagging level's catch-up), while what it
     measures, acceptance, is the same at any batch size."""
@@ -609,16 +609,21 @@ def test_probes_under_load_take_the_shape_priced_there_and_only_contenders():
     policy = bound(AutoPolicy(warmup=0, probe_every=10**9, trees=[[2, 2, 1, 1]]), graph)
     _tree_estimates(policy.estimates, 0.002)  # every position costs the verifier: the chain is priced cheapest
 
-    def probes(batch):
+    def probes(batch, by_request=False):
         shapes = []
         for _ in range(4):
             policy.probes.queue = [("tiny", "large")]
+            if by_request:  # queued by a new request (_new_request), not by a round
+                policy.probes.requests = {("tiny", "large")}
             plan = policy.plan(PlanContext(graph, "large", 100, 0, frozenset(graph.nodes), batch_size=batch))
             shapes.append(plan.tree.get("tiny"))
         return shapes
 
     assert probes(1) == [None, (2, 2, 1, 1), None, (2, 2, 1, 1)]
     assert probes(4) == [None] * 4
+    # a request's own probe asks how its text accepts, which the cheapest shape measures: on the
+    # 4-bit SmolLM2 authority each probe of a 33-node tree cost 6-10 of its one-token steps
+    assert probes(1, by_request=True) == [None] * 4
     priced = {("large",): (1.0, {}, None), ("tiny", "large"): (2.0, {"tiny": 1}, None)}
     policy.probes.rounds = 1  # past the warm-up: an even round takes every path at one sequence
     assert sorted(policy._probe_round(priced, 1)) == [("large",), ("tiny", "large")]
