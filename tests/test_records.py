@@ -172,3 +172,40 @@ def test_the_pipeline_records_and_trains_a_head_and_a_drafter_into_one_folder(re
     head, draft = (json.loads((out / d / "training.json").read_text()) for d in ("head", "draft"))
     assert head["steps"] >= 1 and head["draft_vocab"] == 64 and (out / "draft" / "draft_vocab.json").is_file()
     assert draft["steps"] >= 1
+
+
+def test_measured_dtype_takes_the_faster_products(monkeypatch):
+    """--dtype measured: float32 or bfloat16, whichever multiplies the model's weights faster at the
+    pass's width, as timed (here a fake clock that each product advances by its dtype's cost)."""
+    from cascade.train import record
+    from workers.kernels import products
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), torch.nn.Linear(8, 16))
+    model.device = torch.device("cpu")  # as a transformers model has
+    now = [0.0]
+    for cheaper, dearer in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)):
+        def linear_product(weight, bias, pack, cheaper=cheaper):
+            def product(x):
+                now[0] += x.shape[0] * weight.numel() * (1.0 if weight.dtype == cheaper else 1.5)
+                return x @ weight.T
+            return product
+
+        monkeypatch.setattr(products, "linear_product", linear_product)
+        for rows in (1, 32, 256):
+            assert record.measured_dtype(model, rows, pack=True, clock=lambda: now[0]) == str(cheaper)[6:]
+
+
+def test_measured_dtype_is_recorded_per_shard(recorded, tmp_path):
+    """The default --dtype measured generates and scores each in its measured dtype, named in
+    record.json for the run and for each shard; the shards keep their format."""
+    root, authority, tok = recorded
+    assert main(["record", "--model", str(authority), "--out", str(tmp_path / "m"), "--sequences", "4", "--batch", "4",
+                 "--user-tokens", "8", "--answer-tokens", "8", "--top-k", "8", "--corpus", str(root / "code")]) == 0
+    meta = json.loads((tmp_path / "m" / "record.json").read_text())
+    shard = meta["shards"]["shard-00000.pt"]
+    assert {meta["dtype"], meta["score_dtype"]} <= {"float32", "bfloat16"}
+    assert (shard["dtype"], shard["score_dtype"]) == (meta["dtype"], meta["score_dtype"])
+    saved = torch.load(tmp_path / "m" / "shard-00000.pt", weights_only=False)
+    reference = torch.load(root / "rec" / "shard-00000.pt", weights_only=False)
+    assert set(saved) == set(reference) and saved["topk_ids"].dtype == reference["topk_ids"].dtype
+    assert saved["topk_logprobs"].dtype == torch.float16

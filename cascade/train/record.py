@@ -13,10 +13,11 @@ or over ``--topology`` (a hierarchy whose drafters speed it up). ``--batch`` con
 flight across shards: ``--group`` shards are open at once, and a conversation that ends gives its
 place to the next, so the batch does not drain at each shard's end (:func:`generate_shards`).
 Then one pass over each finished conversation records the top-k of the authority's next-token
-log-probabilities at temperature 1 at every position. Shards (``shard-NNNNN.pt``, ``--batch``
-conversations each, a pure function of (seed, index, batch) whatever the grouping) are
-resumable: an interrupted run generates only the missing ones, and a finished one can be
-extended with a larger ``--sequences``.
+log-probabilities at temperature 1 at every position. Generation and scoring each run in the
+dtype whose products are faster here at that pass's width (``--dtype measured``, timed at
+start). Shards (``shard-NNNNN.pt``, ``--batch`` conversations each, a pure function of (seed,
+index, batch) whatever the grouping, for one dtype) are resumable: an interrupted run generates
+only the missing ones, and a finished one can be extended with a larger ``--sequences``.
 
 ``--keep DIR`` also writes each shard's token ids alone, compressed (``shard-NNNNN.npz``, ~1 byte
 a token): small enough to keep in a repository. A shard found there is not generated again, only
@@ -64,8 +65,11 @@ def add_parser(sub) -> None:
     p.add_argument("--user-tokens", type=int, default=64, help="longest user turn the authority writes")
     p.add_argument("--answer-tokens", type=int, default=256, help="longest answer")
     p.add_argument("--top-k", type=int, default=16, help="log-probabilities kept per position")
-    p.add_argument("--dtype", default="fastest", choices=("fastest", "float32", "bfloat16"),
-                   help="the authority's dtype (fastest: bfloat16 where the CPU computes it natively, else float32)")
+    p.add_argument("--dtype", default="measured", choices=("measured", "fastest", "float32", "bfloat16"),
+                   help="the authority's dtype. measured (on a CPU): for generating and for scoring each, the faster "
+                        "of float32 and bfloat16 for the model's products at that pass's width (--batch rows; a "
+                        "conversation's length), timed at start; fastest: bfloat16 where the device computes it "
+                        "natively, else float32")
     p.add_argument("--device", default="cpu", help="where the authority runs: cpu, auto or cuda[:N]")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -83,12 +87,19 @@ def _run(args) -> int:
     keep = Path(args.keep) if args.keep else None
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
-    model, tok = _load(args.model, args.dtype, _device(args.device))
+    model, tok = _load(args.model, "float32" if args.dtype == "measured" else args.dtype, _device(args.device))
+    generate_dtype, score_dtype = (args.dtype, args.dtype) if args.dtype != "measured" else (
+        "" if args.topology else measured_dtype(model, args.batch, pack=True),
+        measured_dtype(model, SCORE_ROWS, pack=False))
+    model = model.to(_resolved(score_dtype, model))
+    generated_in = "the topology's dtypes" if args.topology else _name(generate_dtype, model)
+    print(f"cascade record: generating in {generated_in}, scoring in {_name(score_dtype, model)}"
+          + (" (measured)" if args.dtype == "measured" else ""), flush=True)
     snippets = _snippets(args.corpus, args.seed) if args.code_share > 0 else []
     meta_path = out / "record.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {
-        "model": args.model, "dtype": str(model.dtype).replace("torch.", ""), "top_k": args.top_k, "batch": args.batch,
-        "code_share": args.code_share, "corpus": args.corpus, "seed": args.seed,
+        "model": args.model, "dtype": generated_in, "score_dtype": _name(score_dtype, model), "top_k": args.top_k,
+        "batch": args.batch, "code_share": args.code_share, "corpus": args.corpus, "seed": args.seed,
         "user_tokens": args.user_tokens, "answer_tokens": args.answer_tokens,
         "temperatures": TEMPERATURES, "torch": torch.__version__, "shards": {}}
     shards = -(-args.sequences // args.batch)
@@ -102,14 +113,14 @@ def _run(args) -> int:
     todo = [i for i in missing if i not in kept]
     if not todo:
         return 0
-    generator = _generator(args, out)
+    generator = _generator(args, out, generate_dtype)
     try:
         started = time.perf_counter()
         for index, ids in generate_shards(generator, tok, todo, args, snippets, args.group):
             if keep is not None:
                 save_ids(ids, keep / f"shard-{index:05d}.npz")
             generated = time.perf_counter()
-            _write(out, meta, index, ids, model, args, "generated", started, generated, shards)
+            _write(out, meta, index, ids, model, args, "generated", started, generated, shards, generated_in)
             started = time.perf_counter()
     finally:
         generator.close()
@@ -117,9 +128,10 @@ def _run(args) -> int:
 
 
 def _write(out: Path, meta: dict, index: int, ids: dict, model, args, how: str, started: float, generated: float,
-           shards: int) -> None:
+           shards: int, dtype: str | None = None) -> None:
     """Score a shard's conversations, write it, and account for it in ``record.json``; its
-    seconds run from ``started`` (the previous shard written) through generation and scoring."""
+    seconds run from ``started`` (the previous shard written) through generation (in ``dtype``)
+    and scoring (in the model's)."""
     import torch
 
     path = out / f"shard-{index:05d}.pt"
@@ -130,7 +142,8 @@ def _write(out: Path, meta: dict, index: int, ids: dict, model, args, how: str, 
     tokens = int(shard["lengths"].sum())
     meta["shards"][path.name] = {"tokens": tokens, "seconds": round(took, 1), "how": how.split()[0],
                                  "generate_seconds": round(generated - started, 1),
-                                 "temperature": shard["temperature"]}
+                                 "temperature": shard["temperature"], "score_dtype": _name("", model),
+                                 **({"dtype": dtype} if dtype else {})}
     (out / "record.json").write_text(json.dumps(meta, indent=1) + "\n")
     total = sum(s["tokens"] for s in meta["shards"].values())
     print(f"{path.name}: {len(shard['lengths'])} sequences, {tokens} tokens {how} in {took:.0f} s "
@@ -160,8 +173,59 @@ def _load(ref: str, dtype: str, device: str = "cpu"):
     return model.to(device).eval(), tok
 
 
-def _generator(args, out: Path):
-    """The cascade that writes the conversations: ``--topology``, or the authority alone."""
+# The width of a scoring pass that the dtype is measured at: about a recorded conversation's length.
+SCORE_ROWS = 256
+
+
+def measured_dtype(model, rows: int, pack: bool, clock=time.perf_counter) -> str:
+    """``"float32"`` or ``"bfloat16"``, whichever multiplies ``model``'s linear layers faster at
+    ``rows`` rows here, best of 3 (each distinct weight shape once, counted as often as the model
+    has it), from copies of the weights: through the lean forward's products where ``pack``
+    (:func:`workers.kernels.products.linear_product`), else F.linear (transformers' forward).
+    Native bfloat16 is not always the faster: without AMX, float32's products can be faster at wide
+    passes and slower at narrow ones (docs/results-log.md), so the width is measured, not assumed.
+    Off the CPU: ``"fastest"``."""
+    import torch
+
+    from workers.kernels.products import linear_product
+
+    if model.device.type != "cpu":
+        return "fastest"
+    shapes: dict[tuple, list] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            shapes.setdefault(tuple(module.weight.shape), [module.weight, 0])[1] += 1
+    generator = torch.Generator().manual_seed(0)
+    costs = {}
+    with torch.inference_mode():
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            costs[name] = 0.0
+            for weight, count in shapes.values():
+                product = linear_product(weight.detach().to(dtype, copy=True), None, pack)
+                x = torch.randn(rows, weight.shape[1], generator=generator).to(dtype)
+                product(x)  # the first call may pack or warm up
+                best = float("inf")
+                for _ in range(3):
+                    start = clock()
+                    product(x)
+                    best = min(best, clock() - start)
+                costs[name] += best * count
+    return min(costs, key=costs.get)
+
+
+def _resolved(dtype: str, model):
+    from workers.devices import resolve_dtype
+
+    return resolve_dtype(dtype, model.device) if dtype else model.dtype
+
+
+def _name(dtype: str, model) -> str:
+    """A dtype's name as resolved for ``model``'s device; ``""``: the model's own."""
+    return str(_resolved(dtype, model)).replace("torch.", "")
+
+
+def _generator(args, out: Path, dtype: str):
+    """The cascade that writes the conversations: ``--topology``, or the authority alone in ``dtype``."""
     from cascade import Cascade
 
     device = _device(args.device)
@@ -169,7 +233,7 @@ def _generator(args, out: Path):
         return Cascade.from_topology(args.topology, device=device)
     model = args.model if args.model.startswith("pulled:") else str(Path(args.model).resolve())
     path = out / "authority.yaml"
-    path.write_text(json.dumps({"name": "record", "levels": [{"name": "authority", "model": model, "dtype": args.dtype}],
+    path.write_text(json.dumps({"name": "record", "levels": [{"name": "authority", "model": model, "dtype": dtype}],
                                 "policy": {"name": "fixed"}}) + "\n")  # JSON is YAML
     return Cascade.from_topology(path, device=device)
 
