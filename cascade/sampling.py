@@ -257,8 +257,8 @@ def sample_with_uniform(
     same tokens bit for bit), not over every row's whole vocabulary in float64.
     """
     rows = probs.reshape(-1, probs.shape[-1])
-    row, token = rows.nonzero(as_tuple=True)
-    if token.numel() * SPARSE_RACE_FRACTION < rows.numel():
+    if _sparse(rows):
+        row, token = rows.nonzero(as_tuple=True)
         counts = torch.bincount(row, minlength=rows.shape[0])
         if bool((counts > 0).all()):
             return _sample_sparse(rows, row, token, counts, uniforms.reshape(-1)).reshape(probs.shape[:-1])
@@ -270,6 +270,8 @@ def sample_with_uniform(
             return idx
         return (probs > 0).nonzero()[-1, 0]
     # u * total can round up to total itself; fall back to the last token with mass.
+    if not bool((idx >= probs.shape[-1]).any()):
+        return idx
     last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)
     return torch.minimum(idx, last_positive)
 
@@ -374,10 +376,10 @@ def sample_with_keys(
     The winner is the same either way (zero-mass tokens hold ratio 0 in both)."""
     rows = probs.reshape(-1, probs.shape[-1])
     keys = keys.reshape(-1)
-    row, token = rows.nonzero(as_tuple=True)
-    if token.numel() * SPARSE_RACE_FRACTION >= rows.numel():
+    if not _sparse(rows):
         ratios = rows.to(torch.float64) / race_noise(keys, rows.shape[-1]).to(rows.device)
     else:  # the noise on the CPU, as race_noise computes it
+        row, token = rows.nonzero(as_tuple=True)
         where = keys.cpu().to(torch.int64)[row.cpu()], token.cpu()
         noise = _noise_at(*where, rows.shape[-1]).to(rows.device)
         counts = torch.bincount(row, minlength=rows.shape[0])
@@ -391,3 +393,9 @@ def sample_with_keys(
 
 #: the race computes noise over the tokens with mass alone where they are under 1/this of the rows
 SPARSE_RACE_FRACTION = 4
+
+
+def _sparse(rows: torch.Tensor) -> bool:
+    """Whether the tokens with mass are under ``1 / SPARSE_RACE_FRACTION`` of ``rows``' entries:
+    counted without listing them (listing every entry of dense rows costs more than sampling them)."""
+    return int(torch.count_nonzero(rows)) * SPARSE_RACE_FRACTION < rows.numel()
