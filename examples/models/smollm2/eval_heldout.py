@@ -63,7 +63,8 @@ def fixed_heldout(work: Path, authority: str) -> Path:
     kept = sorted(HELDOUT.glob("shard-*.npz"))
     batch = len(np.load(kept[0])["lengths"])
     assert cascade(["record", "--model", authority, "--out", str(work), "--keep", str(HELDOUT),
-                    "--sequences", str(batch * len(kept)), "--batch", str(batch)]) == 0
+                    "--sequences", str(batch * len(kept)), "--batch", str(batch),
+                    "--dtype", "fastest"]) == 0  # scored as the features are: every checkpoint the same way
     path = str(resolve_pulled(authority)) if authority.startswith(PULLED) else authority
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype("fastest", torch.device("cpu"))).eval()
     cache_features(work, work / "features", model, authority)
