@@ -348,7 +348,7 @@ class _Shard:
         # The authority alone draws one uniform a token from the request's own generator (the
         # residual coupling): a pure function of the seed whatever the batch, without the keyed
         # coupling's noise over the whole vocabulary, which a hierarchy needs to keep a seed's
-        # tokens whatever its blocks (a third of a float32 step at 64 rows: the results log).
+        # tokens whatever its blocks.
         coupling = "gumbel" if self.args.topology else "residual"
         return i, cascade.request(self.prompts[i], max_new_tokens=self.max_new, temperature=self.config(),
                                   top_k=0, top_p=1.0, seed=seed + i, coupling=coupling)
