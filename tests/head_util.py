@@ -1,5 +1,5 @@
 """Helpers for the feature-head tests (test_head.py, test_head_distribution.py, test_head_eagle3.py,
-test_distill_head.py)."""
+test_distill_head.py, and the heads under Ray: test_ray.py, test_ray_counts.py)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -104,3 +104,38 @@ def misreport_head_probs(monkeypatch) -> None:
         return drafts
 
     monkeypatch.setattr(workers.head.HeadWorker, "draft", misreported)
+
+
+# -- feature heads under Ray (test_ray.py, test_ray_counts.py) -------------------------------------
+
+HEAD_LOOKAHEAD = {"ngram": 3, "head": 3, "thead": 3, "tiny": 5}
+
+
+def ray_head_topology(root, tokenizer):
+    """As tests/test_head.py's: a 1-layer float64 authority ``auth`` read by ``head`` (a perturbed
+    copy of its own layer: partly accepted drafts), an independent drafter ``tiny`` read by
+    ``thead`` (random). ``auth`` runs in an actor, ``head`` in it; ``tiny`` runs in the driver
+    (``ray.in_driver``), ``thead`` beside it, and the n-gram level too. Heads take no resources.
+    The topology file's path, under ``root``."""
+    from conftest import make_llama, write_topology
+
+    vocab = len(tokenizer)
+    auth = make_llama(root / "auth", vocab, seed=1, hidden=32, layers=1, logit_scale=30.0, dtype=torch.float64,
+                      tokenizer=tokenizer)
+    tiny = make_llama(root / "tiny", vocab, seed=4, hidden=16, layers=1, logit_scale=30.0, dtype=torch.float64,
+                      tokenizer=tokenizer)
+    copy_head(auth, noise=0.3, seed=5).save_pretrained(root / "noisy")
+    random_head(tiny, seed=6).save_pretrained(root / "tiny-head")
+    levels = [{"name": "ngram", "kind": "ngram"},
+              {"name": "head", "kind": "head", "model": str(root / "noisy"), "features_of": "auth"},
+              {"name": "thead", "kind": "head", "model": str(root / "tiny-head"), "features_of": "tiny"},
+              {"name": "tiny", "model": str(tiny), "dtype": "float64", "device": "cpu",
+               "resources": {"num_cpus": 0.1}},
+              {"name": "auth", "model": str(auth), "dtype": "float64", "device": "cpu",
+               "resources": {"num_cpus": 0.1}}]
+    edges = [["ngram", "auth"], ["head", "auth"], ["head", "tiny"], ["thead", "tiny"], ["ngram", "tiny"],
+             ["tiny", "auth"]]
+    policy = {"name": "fixed", "params": {"lookahead": HEAD_LOOKAHEAD, "path": ["head", "auth"]}}
+    return write_topology(root / "heads.yaml", {"name": "heads", "levels": levels, "edges": edges, "policy": policy,
+                                                "backend": "ray", "ray": {"max_restarts": 2, "call_timeout_s": 120,
+                                                                        "in_driver": ["tiny"]}})

@@ -34,6 +34,7 @@ from cascade.engine import Request  # noqa: E402
 from cascade.errors import WorkerError  # noqa: E402
 from cascade.sampling import Sampling  # noqa: E402
 from conftest import family_topology, write_topology  # noqa: E402
+from head_util import HEAD_LOOKAHEAD, ray_head_topology  # noqa: E402
 from proc_util import stop, wait_for_job_agent  # noqa: E402
 
 LEVELS = ["tiny", "small", "medium", "large"]
@@ -379,42 +380,10 @@ def test_an_unplaceable_group_is_a_named_error_and_leaves_nothing(ray_cluster, f
 
 # -- feature heads: in the actor of the level they read ------------------------------------------
 
-HEAD_LOOKAHEAD = {"ngram": 3, "head": 3, "thead": 3, "tiny": 5}
-
-
 @pytest.fixture(scope="module")
 def head_topo(tmp_path_factory, tokenizer):
-    """As tests/test_head.py's: a 1-layer float64 authority ``auth`` read by ``head`` (a perturbed
-    copy of its own layer: partly accepted drafts), an independent drafter ``tiny`` read by
-    ``thead`` (random). ``auth`` runs in an actor, ``head`` in it; ``tiny`` runs in the driver
-    (``ray.in_driver``), ``thead`` beside it, and the n-gram level too. Heads take no resources."""
-    import torch
-
-    from conftest import make_llama
-    from head_util import copy_head
-    from workers.head import random_head
-
-    root = tmp_path_factory.mktemp("ray-heads")
-    vocab = len(tokenizer)
-    auth = make_llama(root / "auth", vocab, seed=1, hidden=32, layers=1, logit_scale=30.0, dtype=torch.float64,
-                      tokenizer=tokenizer)
-    tiny = make_llama(root / "tiny", vocab, seed=4, hidden=16, layers=1, logit_scale=30.0, dtype=torch.float64,
-                      tokenizer=tokenizer)
-    copy_head(auth, noise=0.3, seed=5).save_pretrained(root / "noisy")
-    random_head(tiny, seed=6).save_pretrained(root / "tiny-head")
-    levels = [{"name": "ngram", "kind": "ngram"},
-              {"name": "head", "kind": "head", "model": str(root / "noisy"), "features_of": "auth"},
-              {"name": "thead", "kind": "head", "model": str(root / "tiny-head"), "features_of": "tiny"},
-              {"name": "tiny", "model": str(tiny), "dtype": "float64", "device": "cpu",
-               "resources": {"num_cpus": 0.1}},
-              {"name": "auth", "model": str(auth), "dtype": "float64", "device": "cpu",
-               "resources": {"num_cpus": 0.1}}]
-    edges = [["ngram", "auth"], ["head", "auth"], ["head", "tiny"], ["thead", "tiny"], ["ngram", "tiny"],
-             ["tiny", "auth"]]
-    policy = {"name": "fixed", "params": {"lookahead": HEAD_LOOKAHEAD, "path": ["head", "auth"]}}
-    return write_topology(root / "heads.yaml", {"name": "heads", "levels": levels, "edges": edges, "policy": policy,
-                                                "backend": "ray", "ray": {"max_restarts": 2, "call_timeout_s": 120,
-                                                                        "in_driver": ["tiny"]}})
+    """tests/head_util.py's heads topology under Ray: ``auth`` and its ``head`` in an actor."""
+    return ray_head_topology(tmp_path_factory.mktemp("ray-heads"), tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,10 @@ from cascade import Cascade
 from cascade.backends.ray import LevelActor, RayHeadWorker, RayWorker
 from cascade.engine import Request
 from cascade.sampling import Sampling
+from head_util import HEAD_LOOKAHEAD as LOOKAHEAD
+from head_util import ray_head_topology
 from hf_util import prompts_from_text, reference_greedy
 from policies.fixed import FixedPolicy
-from test_ray import HEAD_LOOKAHEAD as LOOKAHEAD
-from test_ray import head_topo  # noqa: F401 - the fixture
 
 # every path the topology has, with trees where a model level starts one: one per step, in turn
 PATHS = [(["head", "auth"], {}), (["tiny", "auth"], {}), (["ngram", "tiny", "auth"], {}),
@@ -48,6 +48,12 @@ class Turns(FixedPolicy):
     def plan(self, ctx):
         self.step += 1
         return self.turns[self.step % len(self.turns)].plan(ctx)
+
+
+@pytest.fixture(scope="module")
+def head_topo(tmp_path_factory, tokenizer):
+    """tests/head_util.py's heads topology (run here over the local backend's workers)."""
+    return ray_head_topology(tmp_path_factory.mktemp("ray-counts"), tokenizer)
 
 
 @pytest.fixture(scope="module")
