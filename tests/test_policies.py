@@ -7,11 +7,11 @@ import torch
 
 from policies import PolicyError, make_policy, parse_policy_spec
 from policies.adaptive import (
-    AutoPolicy, ConfidencePolicy, CostAwarePolicy, EntropyPolicy, EscalationPolicy, Regime,
+    AutoPolicy, ConfidencePolicy, CostAwarePolicy, EntropyPolicy, EscalationPolicy, Realized, Regime,
 )
 from policies.base import DraftStep, EdgeOutcome, PassCost, PlanContext, StepFeedback, StepPlan, draft_step
-from policies.estimates import (BINS, Calibration, EdgeAcceptance, Estimates, LevelCost, TreeAcceptance, confidence_bin,
-                                tree_passes)
+from policies.estimates import (BINS, Calibration, EdgeAcceptance, Estimates, LevelCost, TreeAcceptance, batch_bucket,
+                                confidence_bin, tree_passes)
 from policies.fixed import FixedPolicy
 from policies.stops import CalibratedStop, ConfidenceStop, EntropyStop
 
@@ -824,6 +824,34 @@ def test_auto_names_a_stand_in_when_it_takes_prompt_lookup():
     assert plans[3, True].stand_in == {"ngram": "tiny"} and plans[3, True].lookahead["tiny"] >= 1
     assert "tiny" in plans[3, True].stop  # its own calibrated stop
     assert plans[0, True].stand_in == {} and plans[3, False].stand_in == {}
+
+
+def test_under_load_a_stand_in_needs_its_own_chain_measured_no_dearer_than_the_authority():
+    """At more than one sequence a stand-in's first block after prompt lookup drafted makes it
+    catch up on every sequence of the batch (no price holds that), so it is named only where its
+    own chain has measured, at that batch size, no dearer a token than the authority alone; at
+    one sequence its price suffices, as before."""
+    graph = nx.DiGraph([("ngram", "large"), ("tiny", "large")])
+    seconds = {"ngram": 1e-6, "tiny": 0.001, "large": 0.040}
+    policy = bound(AutoPolicy(explore=0.0, warmup=0, probe_every=10**9), graph)
+    for estimates in policy.regimes[False].contexts.values():
+        estimates.kinds = {"ngram": "ngram", "tiny": "hf", "large": "hf"}
+    teach(policy, ("ngram", "large"), [("ngram", "large", 4, 4)], seconds)
+    teach(policy, ("tiny", "large"), [("tiny", "large", 4, 3)], seconds)
+
+    def plan(batch):
+        c = PlanContext(graph, "large", 100, 0, frozenset(graph.nodes), batch_size=batch)
+        return policy.plan(c)
+
+    assert plan(1).stand_in == {"ngram": "tiny"}
+    assert plan(4).path == ("ngram", "large") and plan(4).stand_in == {}  # not measured at 4 sequences
+    bucket = batch_bucket(4)
+    policy.realized[False, bucket, ("large",)] = Realized(seconds=0.010 * 32, tokens=32, steps=32)
+    policy.realized[False, bucket, ("tiny", "large")] = Realized(seconds=0.012 * 32, tokens=32, steps=32)
+    policy.regimes[False].prices.clear()
+    assert plan(4).stand_in == {}  # measured dearer than the authority alone there
+    policy.realized[False, bucket, ("tiny", "large")] = Realized(seconds=0.008 * 32, tokens=32, steps=32)
+    assert plan(4).stand_in == {"ngram": "tiny"}
 
 
 def test_a_stand_in_that_beats_the_authority_by_less_than_the_draft_margin_still_stands_in():
