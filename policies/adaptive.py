@@ -508,8 +508,7 @@ class EscalationPolicy(CostAwarePolicy):
         measured = self._realized(ctx, path)
         if len(path) < 2 or alone not in priced or measured is None:
             return path
-        alone_measured = self._realized(ctx, alone)
-        if measured.per_token() <= (alone_measured.per_token() if alone_measured else priced[alone][0]):
+        if self._no_dearer_than_alone(ctx, measured, priced[alone][0]):
             measured.wait = None
             return path
         measured.waited += ctx.batch_size
@@ -519,6 +518,12 @@ class EscalationPolicy(CostAwarePolicy):
                 wait=min(2 * wait, 8 * self.params.realized_retry))
             return path
         return alone
+
+    def _no_dearer_than_alone(self, ctx: PlanContext, measured: Realized, alone_price: float) -> bool:
+        """Whether ``measured`` cost no more a token than the authority alone at this batch size:
+        its own measurement there, or else its price."""
+        alone = self._realized(ctx, (ctx.authority,))
+        return measured.per_token() <= (alone.per_token() if alone else alone_price)
 
     def _realized(self, ctx: PlanContext, path: Path) -> Realized | None:
         """What ``path``'s steps measured at this batch size, if measured over ``realized_after``
@@ -568,8 +573,7 @@ class EscalationPolicy(CostAwarePolicy):
         unlucky early estimate turn it off for good (rare probes alone would measure it again).
         At more than one sequence its own chain must also have measured, at this batch size, no
         dearer than the authority alone: its first block after prompt lookup drafted makes it
-        catch up on every sequence of the batch, which no price holds (SmolLM2 at 14 sequences:
-        such steps cost 2.5–4.7 of the authority alone's for ~1.7 tokens a sequence)."""
+        catch up on every sequence of the batch, which no price holds (docs/policies.md)."""
         kinds = self.estimates.kinds
         if not self.params.stand_in or len(path) != 2 or kinds.get(path[0]) != "ngram":
             return None
@@ -586,9 +590,7 @@ class EscalationPolicy(CostAwarePolicy):
             return None
         if ctx.batch_size > 1:
             measured = self._realized(ctx, (best[1], ctx.authority))
-            alone_measured = self._realized(ctx, (ctx.authority,))
-            if measured is None or measured.per_token() > (
-                    alone_measured.per_token() if alone_measured else alone[0]):
+            if measured is None or not self._no_dearer_than_alone(ctx, measured, alone[0]):
                 return None
         return best[1], best[2]
 

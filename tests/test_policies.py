@@ -621,8 +621,7 @@ def test_probes_under_load_take_the_shape_priced_there_and_only_contenders():
 
     assert probes(1) == [None, (2, 2, 1, 1), None, (2, 2, 1, 1)]
     assert probes(4) == [None] * 4
-    # a request's own probe asks how its text accepts, which the cheapest shape measures: on the
-    # 4-bit SmolLM2 authority each probe of a 33-node tree cost 6-10 of its one-token steps
+    # a request's own probe asks how its text accepts, which the cheapest shape measures
     assert probes(1, by_request=True) == [None] * 4
     priced = {("large",): (1.0, {}, None), ("tiny", "large"): (2.0, {"tiny": 1}, None)}
     policy.probes.rounds = 1  # past the warm-up: an even round takes every path at one sequence
