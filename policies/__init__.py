@@ -92,12 +92,8 @@ def parse_policy_spec(text: str) -> tuple[str, dict[str, Any]]:
     are refused (a few characters of them can expand to gigabytes).
     """
     name, params_text = text, ""
-    depth = 0
-    for i, ch in enumerate(text):
-        depth += ch in "[{"
-        depth -= ch in "]}"
-        # the parameters start at the first top-level ':' followed by 'key='
-        if ch == ":" and depth == 0 and re.match(r"\s*[A-Za-z_][\w-]*\s*=", text[i + 1:]):
+    for i, ch in _top_level(text):  # the parameters start at the first top-level ':' followed by 'key='
+        if ch == ":" and re.match(r"\s*[A-Za-z_][\w-]*\s*=", text[i + 1:]):
             name, params_text = text[:i], text[i + 1:]
             break
     params: dict[str, Any] = {}
@@ -128,17 +124,21 @@ class _NoAliasLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+def _top_level(text: str):
+    """(index, character) of each character outside brackets and braces."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch in "[{") - (ch in "]}")
+        if depth == 0:
+            yield i, ch
+
+
 def _split_top_level(text: str) -> list[str]:
     """Split on commas outside brackets and braces."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
+    items, start = [], 0
+    for i, ch in _top_level(text):
+        if ch == ",":
             items.append(text[start:i])
             start = i + 1
-    if text[start:].strip():
-        items.append(text[start:])
+    items.append(text[start:])
     return [s for s in items if s.strip()]

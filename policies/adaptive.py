@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal
 import networkx as nx
 from pydantic import Field, StrictBool
 
-from policies.base import PassCost, PlanContext, Policy, StepFeedback, StepPlan, StopRule, longest_path
+from policies.base import PassCost, PlanContext, Policy, StepFeedback, StepPlan, StopRule
 from policies.estimates import Calibration, Estimates, LevelCost, batch_bucket, tree_passes
-from policies.fixed import check_path
+from policies.fixed import PathChoice
 from policies.params import Float, Int, Lookahead, PathParams, PolicyParams, TreeShape, Unit
 from policies.stops import CalibratedStop, ConfidenceStop, EntropyStop
 
@@ -25,15 +25,17 @@ Weight = Annotated[Float, Field(ge=0.0, le=1e6)]  # observations' worth, or a re
 Positive = Annotated[Int, Field(ge=1)]
 
 
-class ConfidenceParams(PathParams):
+class _StopParams(PathParams):
     lookahead: Lookahead = Field(8, description="The most tokens a block drafts (the stop may end it sooner).")
+
+
+class ConfidenceParams(_StopParams):
     threshold: Unit = Field(0.4, description="Stop at a drafter probability below this.")
     mode: Literal["token", "block"] = Field(
         "token", description="'token': the drafted token's probability; 'block': the block's running product.")
 
 
-class EntropyParams(PathParams):
-    lookahead: Lookahead = Field(8, description="The most tokens a block drafts (the stop may end it sooner).")
+class EntropyParams(_StopParams):
     threshold: Unit = Field(0.4, description="Starting threshold on exp(-entropy); it adapts online.")
     target: Unit = Field(0.75, description="The accepted share of each block the threshold steers towards.")
     rate: Unit = Field(0.05, description="How far one block moves the threshold.")
@@ -110,35 +112,12 @@ class AutoParams(EscalationParams):
         "chain on every path whose first level can score: a step takes one where it is priced cheapest.")
 
 
-class _PathMixin:
-    """A fixed path (given, or the longest over available levels), cached per available set."""
-
-    path_param: list[str] | None
-    _paths: dict
-
-    def _init_path(self, path: list[str] | None) -> None:
-        self.path_param = list(path) if path is not None else None
-        self._paths = {}
-
-    def bind(self, graph: nx.DiGraph, authority: str) -> None:
-        super().bind(graph, authority)
-        if self.path_param is not None:
-            check_path(self, graph, authority, self.path_param)
-
-    def _stop_plan(self, ctx: PlanContext, lookahead: int, rule) -> StepPlan:
-        """The path, one lookahead for every proposing level, and one stop rule for each."""
-        path = self._path(ctx)
-        return StepPlan(path, {n: lookahead for n in path[:-1]}, {n: rule for n in path[:-1]})
-
-    def _path(self, ctx: PlanContext) -> tuple[str, ...]:
-        if self.path_param is not None and all(n in ctx.available for n in self.path_param):
-            return tuple(self.path_param)
-        if ctx.available not in self._paths:
-            self._paths[ctx.available] = longest_path(ctx.graph, ctx.authority, ctx.available)
-        return self._paths[ctx.available]
+def _stop_plan(path: Path, lookahead: int, rule: StopRule) -> StepPlan:
+    """``path``, one lookahead for every proposing level, and one stop rule for each."""
+    return StepPlan(path, {n: lookahead for n in path[:-1]}, {n: rule for n in path[:-1]})
 
 
-class ConfidencePolicy(_PathMixin, Policy):
+class ConfidencePolicy(PathChoice, Policy):
     """Draft up to ``lookahead`` tokens per block, stopping at the first token whose drafter
     probability (or the block's running product, ``mode: block``) is below ``threshold``."""
 
@@ -151,10 +130,10 @@ class ConfidencePolicy(_PathMixin, Policy):
         self._init_path(self.params.path)
 
     def plan(self, ctx: PlanContext) -> StepPlan:
-        return self._stop_plan(ctx, self.lookahead, ConfidenceStop(self.threshold, self.mode))
+        return _stop_plan(self._path(ctx), self.lookahead, ConfidenceStop(self.threshold, self.mode))
 
 
-class EntropyPolicy(_PathMixin, Policy):
+class EntropyPolicy(PathChoice, Policy):
     """Stop drafting when ``exp(-entropy)`` (a lower bound on the drafter's top probability) is
     below a threshold that adapts online: blocks that are accepted whole lower it (draft
     further), blocks rejected early raise it, steering the accepted share of each block
@@ -170,7 +149,7 @@ class EntropyPolicy(_PathMixin, Policy):
         self._init_path(p.path)
 
     def plan(self, ctx: PlanContext) -> StepPlan:
-        return self._stop_plan(ctx, self.lookahead, EntropyStop(self.threshold))
+        return _stop_plan(self._path(ctx), self.lookahead, EntropyStop(self.threshold))
 
     def observe(self, feedback: StepFeedback) -> None:
         for e in feedback.edges:
@@ -208,13 +187,10 @@ class Regime:
 
 @dataclass
 class Realized:
-    """What a path's steps really cost, per committed token, as its sequences saw it: each
-    sequence's share of the step's wall time (the levels' passes and the engine's work around
-    them; the levels' seconds where a step was not timed) against the tokens committed (decayed
-    sums; one per sampling regime, batch-size bucket and path chosen). The price is a model — passes' fixed and
-    per-position costs, acceptance by position — and leaves out what it does not model (a
-    proposer whose blocks are cut short or that matches in few rows, drafting passes that do not
-    share the batch as the verifier's do); this is the measured outcome."""
+    """What a path's steps really cost per committed token, as its sequences saw it: each
+    sequence's share of the step's wall time against the tokens committed (decayed sums; one per
+    sampling regime, batch-size bucket and path chosen). The price is a model and leaves costs
+    out; this is the measured outcome (docs/policies.md, "Path choice")."""
 
     seconds: float = 0.0
     tokens: float = 0.0
@@ -288,18 +264,13 @@ class Probes:
         self.judging = False
 
 
-class CostAwarePolicy(_PathMixin, Policy):
-    """Lookahead per edge chosen online to maximise committed tokens per second.
-
-    From measured acceptance per draft position and the measured cost of each level's passes
-    (``LevelCost``), it picks the k that minimises expected seconds per emitted token on each
-    edge (cascade/DESIGN.md §4, the speedup equation, composed up the hierarchy:
-    ``Estimates.path_cost``), and explores a random k on one edge with probability ``explore``
-    (decaying with the steps seen). Under load a pass's fixed cost is shared by the batch while
-    every drafted position still costs the verifier its own compute, so speculation stops
-    paying as the batch grows; ``verify_budget`` also caps the tokens one authority pass
-    verifies across the batch (``verify_budget // batch_size - 1`` per sequence). Greedy and
-    sampled steps keep their own estimates (:class:`Regime`).
+class CostAwarePolicy(PathChoice, Policy):
+    """Lookahead per edge chosen online to maximise committed tokens per second: the k that
+    minimises the expected seconds per emitted token on each edge (``Estimates.path_cost``),
+    from measured acceptance by draft position and measured pass costs (``LevelCost``, per
+    batch size: speculation stops paying as the batch grows), now and then a random k on one
+    edge (``explore``, decaying); ``verify_budget`` caps the tokens one authority pass verifies
+    across the batch. Greedy and sampled steps keep their own estimates (:class:`Regime`).
     """
 
     name = "cost-aware"
@@ -388,23 +359,12 @@ class CostAwarePolicy(_PathMixin, Policy):
 
 
 class EscalationPolicy(CostAwarePolicy):
-    """Chooses the path per step, and the lookahead on it.
-
-    Every path through the graph to the authority is priced with the measured acceptance and
-    costs (``Estimates.path_cost``): a level whose edge does not pay for its cost
-    (A <= 1 + T_draft / T_verify) makes its paths dearer and is skipped. Untried paths start
-    from an optimistic prior. A step does one of three things (:class:`Step`; the states are
-    in docs/policies.md, "States"):
-
-    - **probe**: ``warmup`` rounds of every path, then a round every ``probe_every`` steps (a
-      step of a batch of B counting 1/B), backing off while the choice holds (:class:`Probes`):
-      acceptance swings several-fold between texts, so paths measured at different times would
-      not compare. At batch 1 a new request probes at once (:meth:`_new_request`).
-    - **explore**: a random path, with probability ``explore`` (decaying with the steps seen).
-    - **exploit**: the path priced cheapest, kept unless another is ``switch_margin``
-      cheaper; a drafting path must be ``draft_margin`` cheaper than the authority alone (a
-      speculative step has costs the price leaves out). With ``confident``, confident blocks
-      may go straight to the authority along a shortcut edge, unsure ones through the middle.
+    """Chooses the path per step, and the lookahead on it: every path to the authority is priced
+    (``Estimates.path_cost``), and a step probes, explores or exploits (:class:`Step`;
+    docs/policies.md, "States"): probe rounds keep every path measured (:class:`Probes`), a new
+    request at batch 1 probes at once (:meth:`_new_request`), and the exploited path is the one
+    priced cheapest, held against near-equal ones, given up for the authority alone where its
+    steps measured dearer (:meth:`_paying`).
     """
 
     name = "escalation"
@@ -497,13 +457,9 @@ class EscalationPolicy(CostAwarePolicy):
     def _paying(self, ctx: PlanContext, path: Path, priced: dict) -> Path:
         """``path``, unless it drafts and its steps, measured at this batch size (after
         ``realized_after`` sequence-steps), cost more per committed token than the authority
-        alone does (measured, or priced): then the authority alone. A price is a model and can
-        miss a cost; the outcome decides between drafting and not (only that: measured paths
-        against priced ones would flee whatever was measured last). A path that gave way is not
-        measured while it waits, so after ``realized_retry`` sequence-steps its measurement is
-        forgotten and its price decides again: the text, the load or the machine may have changed.
-        Each time it measures dearer again it waits twice as long, up to 8 times (a trial at 16
-        sequences is one step of the dearer path, which can cost several)."""
+        alone does (measured, or priced): then the authority alone. A path that gave way is
+        measured afresh after ``realized_retry`` sequence-steps, twice as long (up to 8 times)
+        each time it measures dearer again (docs/policies.md, "Path choice")."""
         alone = (ctx.authority,)
         measured = self._realized(ctx, path)
         if len(path) < 2 or alone not in priced or measured is None:
@@ -535,11 +491,9 @@ class EscalationPolicy(CostAwarePolicy):
         return realized
 
     def _probe(self, ctx: PlanContext, path: Path, priced: dict, max_lookahead: int) -> Choice:
-        """A probe of ``path``: a round's at one sequence takes its chain and its trees in turn,
-        every edge of it measured; a request's own, and any at more than one sequence, only the
-        shape priced cheapest there (a tree's nodes cost the verifier a position each per
-        sequence, while acceptance by rank is the same at any batch size and in any request: a
-        request's probe asks how its text accepts; docs/policies.md)."""
+        """A probe of ``path``: a round's at one sequence takes its chain and its trees in turn;
+        a request's own, and any at more than one sequence, only the shape priced cheapest there
+        (a tree's nodes cost the verifier a position each per sequence; docs/policies.md)."""
         if ctx.batch_size > 1 or self.probes.by_request:
             shape = priced[path][2]
         else:
@@ -552,10 +506,8 @@ class EscalationPolicy(CostAwarePolicy):
 
     def _probe_round(self, priced: dict[Path, tuple], batch: int) -> list[Path]:
         """The paths of the next probe round, in random order: all of them in the warm-up and in
-        every other round at one sequence; otherwise the contenders, priced within ``1 +
-        contender_margin`` of the best. Under load a probe of a path priced out costs every
-        sequence of the batch a step, and its first level's catch-up on each of them, while
-        what it would measure (acceptance) is the same at any batch size."""
+        every other round at one sequence; otherwise those priced within ``1 +
+        contender_margin`` of the best (under load a probe costs every sequence a step)."""
         self.probes.rounds += 1
         paths = list(priced)
         if self.probes.rounds > self.params.warmup and (self.probes.rounds % 2 or batch > 1):
@@ -566,14 +518,10 @@ class EscalationPolicy(CostAwarePolicy):
 
     def _stand_in_for(self, ctx: PlanContext, path: Path, priced, max_lookahead: int) -> tuple[str, int] | None:
         """(level, lookahead) that drafts in prompt lookup's place on ``path`` (an n-gram level
-        straight into the authority) where it has no match, which would otherwise leave the step
-        to the authority alone: the model proposer whose own chain into the authority is priced
-        cheapest, if that beats the authority alone — by no ``draft_margin``: it is measured at
-        every step it drafts, so a price too low corrects itself, while a margin would let an
-        unlucky early estimate turn it off for good (rare probes alone would measure it again).
-        At more than one sequence its own chain must also have measured, at this batch size, no
-        dearer than the authority alone: its first block after prompt lookup drafted makes it
-        catch up on every sequence of the batch, which no price holds (docs/policies.md)."""
+        straight into the authority) where it has no match: the model proposer whose own chain
+        into the authority is priced cheapest, if that beats the authority alone (no
+        ``draft_margin``: it is measured at every step it drafts); at more than one sequence its
+        chain must also have measured no dearer than the authority alone there (docs/policies.md)."""
         kinds = self.estimates.kinds
         if not self.params.stand_in or len(path) != 2 or kinds.get(path[0]) != "ngram":
             return None
@@ -606,13 +554,10 @@ class EscalationPolicy(CostAwarePolicy):
         return StepPlan(plan.path, {**plan.lookahead, level: k}, stop, plan.tree, {plan.path[0]: level})
 
     def _new_request(self, candidates: list[Path], ctx: PlanContext, max_lookahead: int) -> None:
-        """A new request (at batch 1) is a new text. Prompt lookup's acceptance belongs to the
-        request (it pays where the answer repeats its prompt), so its estimates keep their means
-        but carry only ``lookup_carry`` observations into the request, and its paths are probed
-        at once: the request's own blocks decide. So too a drafter's path priced out (its first
-        level drafting nothing): neither chosen nor standing in, only sparse probe rounds would
-        measure it again, and one bad text would rule it out for good. A drafter priced in keeps
-        its estimates (its own blocks keep measuring it)."""
+        """A new request (at batch 1) is a new text: prompt lookup's paths, and drafters' paths
+        priced out (first level drafting nothing), keep their estimates' means with only
+        ``lookup_carry`` observations and are probed at once, so the request's own blocks decide
+        (docs/policies.md, "Path choice")."""
         kinds = self.estimates.kinds
         lookup = [p for p in candidates if len(p) > 1 and kinds.get(p[0]) == "ngram"]
         priced = self._price_paths(ctx, candidates, max_lookahead, self._estimates())
@@ -664,10 +609,8 @@ class EscalationPolicy(CostAwarePolicy):
 
     def observe_pass(self, cost: PassCost) -> None:
         super().observe_pass(cost)
-        # A level catching up (a prompt, a request joining, tokens it skipped) pays once what
-        # its steps then do not: such a step does not say what the path costs. Prompt lookup
-        # catches up for nothing (it runs no pass): counted, its first step after the authority
-        # decoded alone left every short stretch of it unmeasured, and the measured rule blind.
+        # A level catching up (a prompt, a request joining, skipped tokens) pays once what its
+        # steps then do not: that step says nothing of the path's cost. Prompt lookup runs no pass.
         if cost.catch_up > LevelCost.catch_up_positions and self.estimates.kinds.get(cost.level) != "ngram":
             self._catching_up = True
 
@@ -692,15 +635,12 @@ class EscalationPolicy(CostAwarePolicy):
 
 
 class AutoPolicy(EscalationPolicy):
-    """The default: escalation's choice of path (priced for the current batch size), and on
-    the path's first edge a long lookahead cut short by a calibrated stop: the drafter goes on
-    while the estimated probability that its whole block is accepted (``Calibration``,
-    ``CalibratedStop``) stays above the threshold at which one more token stops paying — its
-    cost (the drafter's pass plus the verifier's extra position) against its chance of
-    acceptance times the seconds a committed token costs. ``stop_threshold`` fixes that
-    threshold; ``stop: false`` switches the stop off. Paths are priced with blocks of at most
-    ``price_lookahead``; each of ``trees`` is priced beside the chain on the first edge, and a
-    step takes the cheapest (a tree has no stop)."""
+    """The default: escalation's choice of path, and on its first edge either a long block cut
+    short by a calibrated stop (the drafter goes on while the estimated probability that its
+    whole block is accepted stays above the point where one more token stops paying:
+    :meth:`_threshold`; ``stop_threshold`` fixes it, ``stop: false`` switches it off) or a tree
+    of ``trees``, whichever is priced cheaper. Paths are priced with blocks of at most
+    ``price_lookahead``."""
 
     name = "auto"
     Params = AutoParams

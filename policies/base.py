@@ -109,23 +109,18 @@ class StepPlan:
 
     ``lookahead[level]`` is how many tokens ``level`` proposes to the next level of the path in
     one block (0 = that level only samples, no block from below). ``stop[level]`` optionally
-    ends a level's block early on its own confidence. ``tree[path[0]]`` makes the first level
-    draft a tree of candidates instead (widths per depth). ``stand_in[path[0]]`` drafts in the
-    first level's place for a sequence it proposes nothing to (its lookahead and stop are its
-    own entries in ``lookahead`` and ``stop``).
+    ends a level's block early on its own confidence. ``tree[path[0]]``: the first level drafts
+    a tree instead, ``widths[d]`` of its top candidates below every node at depth d, which the
+    next level verifies in one pass (cascade/tree.py; cut where deeper than the budget allows; a
+    level that cannot score drafts a block). ``stand_in[path[0]]``: a level with an edge into
+    ``path[1]`` that drafts a sequence's block where the first level proposes nothing (an n-gram
+    level without a match); its lookahead and stop are its own entries in ``lookahead`` and ``stop``.
     """
 
     path: tuple[str, ...]
     lookahead: dict[str, int]
     stop: dict[str, StopRule] = field(default_factory=dict)
-    # tree[level]: the path's first level drafts a tree instead of a block, ``widths[d]``
-    # candidates below every node at depth d (its top-k), which the next level verifies in one
-    # pass (cascade/tree.py); its accepted path goes on up as a chain. Deeper than the budget
-    # allows, a tree is cut; a level that cannot score drafts a block as usual.
     tree: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # stand_in[path[0]]: a level with an edge into path[1] that drafts a sequence's block in the
-    # first level's place where that level proposes nothing (an n-gram level without a match),
-    # instead of leaving the step to path[1] alone
     stand_in: dict[str, str] = field(default_factory=dict)
 
 

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from policies.base import PassCost, StepFeedback
+from policies.params import tree_size
 
 
 @dataclass
@@ -60,18 +61,6 @@ class EdgeAcceptance:
         total = seen + self.prior_weight + weight
         return (accepted + self.prior * self.prior_weight + rate * weight) / total if total else self.prior
 
-    def expected_tokens(self, k: int) -> float:
-        """Expected tokens one round emits with a block of k: accepted prefix + 1."""
-        total, survive = 1.0, 1.0
-        for j in range(k):
-            survive *= self.rate(j)
-            total += survive
-        return total
-
-    @property
-    def observations(self) -> float:
-        return self.seen[0] if self.seen else 0.0
-
 
 @dataclass
 class TreeAcceptance:
@@ -110,14 +99,9 @@ class TreeAcceptance:
                 self.hits[j][ranks[j]] += 1.0
 
     def rate(self, j: int, r: int, first_prior: float) -> float:
-        if r == 0:
-            prior = first_prior
-        else:
-            prior = (1.0 - first_prior) * self.later_prior * 0.5 ** (r - 1)
-        if j < len(self.seen) and r < len(self.seen[j]):
-            seen, hits = self.seen[j][r], self.hits[j][r]
-        else:
-            seen = hits = 0.0
+        prior = first_prior if r == 0 else (1.0 - first_prior) * self.later_prior * 0.5 ** (r - 1)
+        measured = j < len(self.seen) and r < len(self.seen[j])
+        seen, hits = (self.seen[j][r], self.hits[j][r]) if measured else (0.0, 0.0)
         return (hits + prior * self.prior_weight) / (seen + self.prior_weight)
 
     def expected_tokens(self, widths: tuple[int, ...], chain: "EdgeAcceptance") -> float:
@@ -132,12 +116,7 @@ class TreeAcceptance:
 def tree_passes(widths: tuple[int, ...]) -> tuple[list[int], int]:
     """A tree's drafting passes (positions each scores: the nodes one depth up, the root first)
     and its size."""
-    passes, level, size = [], 1, 0
-    for w in widths:
-        passes.append(level)
-        level *= w
-        size += level
-    return passes, size
+    return [math.prod(widths[:d]) for d in range(len(widths))], tree_size(widths)
 
 
 def width_bucket(positions: float) -> int:
@@ -149,23 +128,13 @@ def width_bucket(positions: float) -> int:
 
 @dataclass
 class PassModel:
-    """Seconds of a call of ``passes`` forward passes computing ``tokens`` positions in all.
-
-    Two views of the same calls. A line, ``per_pass * passes + per_token * tokens``, fitted by
-    exponentially weighted non-negative least squares, stalls clipped. And the cost of one pass
-    by its positions, measured: per :func:`width_bucket`, the median of its last ``window``
-    passes (the median shrugs off a stalled call). Real passes are not linear in their
-    positions (the matrix kernel changes with the rows): :meth:`pass_seconds` interpolates
-    between the measured buckets (each with at least ``min_samples`` passes, made
-    non-decreasing) and extrapolates beyond them along the line's slope; with none measured it
-    is the line.
-
-    A width the policy stops choosing is not measured again until a probe, while the passes it
-    does choose keep moving (a pass costs more over a longer context; a new request starts
-    short): a wider bucket left at the end of a long request would price speculation out for
-    good. So each pass is kept with the narrowest bucket's median when it was measured
-    (:meth:`_reference`), and priced as a multiple of that bucket's median now: the curve's
-    shape is measured, its level follows the passes run now."""
+    """Seconds of a call of ``passes`` forward passes computing ``tokens`` positions in all: a
+    line (``per_pass * passes + per_token * tokens``, exponentially weighted non-negative least
+    squares, stalls clipped) and, per :func:`width_bucket`, the median of its last ``window``
+    passes. :meth:`pass_seconds` interpolates the measured buckets (``min_samples`` passes each,
+    made non-decreasing), each pass rescaled by how the narrowest bucket has moved since it was
+    measured (:meth:`_reference`), and follows the line's slope beyond them
+    (docs/policies.md, "Costs")."""
 
     fit_decay: float = 0.97
     window: int = 15
@@ -277,25 +246,12 @@ def batch_bucket(sequences: float) -> int:
 
 @dataclass
 class LevelCost:
-    """What a level's forward passes cost, learned from measured calls, per batch size.
-
-    For each batch-size bucket (1, 2-3, 4-7, ...: the sequences a pass covers) a
-    :class:`PassModel` — a fixed cost per pass (weights streamed, kernels launched, each
-    sequence's cache and bookkeeping) and a cost per position computed. A sequence of a batch of
-    B pays ``per_pass / B + per_token * width`` for a pass scoring ``width`` of its positions, so
-    the price follows the load: at batch 1 a pass is nearly all fixed cost; in a large batch the
-    positions dominate and a drafted token costs the authority nearly what decoding one does.
-    Calls in which a sequence feeds more than ``catch_up_positions`` positions beyond those the
-    call scores for it (a prompt's prefill, a request joining a running batch, a level catching
-    up on tokens it skipped), or more than ``prefill_positions`` per sequence on average, are
-    not fitted: the policy prices decoding passes, and a few such calls, far out on the
-    positions axis and dearer per position, would set the slope of the fit. (Fitting one model
-    across batch sizes does not work: the calls of a shrinking or regrouping batch would
-    dominate it. Only the shape is borrowed, beyond the widths a batch size has measured:
-    :meth:`_pass_seconds`.)
-
-    Until a call has been measured, :meth:`observe` (seconds per pass as one sequence saw its
-    share) gives a plain moving average of seconds per pass.
+    """What a level's forward passes cost, learned from measured calls: a :class:`PassModel`
+    per batch-size bucket (1, 2-3, 4-7, ...). A sequence of a batch of B pays ``per_pass / B +
+    per_token * width``. Calls in which a sequence feeds more than ``catch_up_positions``
+    positions beyond those scored for it, or more than ``prefill_positions`` per sequence on
+    average, are not fitted: the policy prices decoding passes (docs/policies.md, "Costs").
+    Until a call has been measured, :meth:`observe` gives a moving average of seconds per pass.
     """
 
     decay: float = 0.9
@@ -335,12 +291,6 @@ class LevelCost:
             self._models[want] = self.buckets[nearest]
         return self._models[want]
 
-    def fit(self, batch: int = 1) -> tuple[float, float] | None:
-        """(seconds per pass, per position) of the line fitted at this batch size (see
-        :meth:`model`); None if none is measured."""
-        model = self.model(batch)
-        return model.fit if model is not None else None
-
     def per_sequence(self, batch: int, width: int) -> float | None:
         """Seconds one of ``batch`` sequences is charged for a pass scoring ``width`` positions of
         its own (the pass's fixed cost is shared by the batch)."""
@@ -353,14 +303,8 @@ class LevelCost:
     def _pass_seconds(self, model: PassModel, bucket: int, positions: float) -> float:
         """``model``'s pass over ``positions``; outside the positions it has measured, its
         measured edge times the ratio the nearest other batch size that has measured both
-        widths finds between them.
-
-        A batch size's line splits a pass into fixed and per-position cost only as far as its
-        passes differ in width: a batch that has only decoded (every pass one position per
-        sequence) gives the line an arbitrary split, which can price a wider pass far too dear
-        and speculation out for good — a width not chosen is not measured. Another batch size's
-        measured shape is a far better guess, an optimistic one where a larger batch pays more
-        per position; a width then chosen is measured, and its own bucket prices it from there."""
+        widths finds between them: a batch that has only decoded splits a pass into fixed and
+        per-position cost arbitrarily, which can price a wider pass out for good (docs/policies.md)."""
         span = model.span()
         if span is None or span[0] <= positions <= span[1]:
             return model.pass_seconds(positions)
@@ -384,15 +328,10 @@ def confidence_bin(p: float) -> int:
 
 @dataclass
 class Calibration:
-    """How often the verifier accepts a draft token, by the drafter's own probability of it.
-
-    A small model's probabilities are not acceptance probabilities (a small drafter can give
-    low probabilities to tokens the verifier nearly always accepts), so a stop rule on the raw
-    probability misjudges; this table maps each confidence bin to the measured conditional
-    acceptance. Three contexts: the first token of a block after a fully accepted block, the
-    first after a rejection, and later tokens (given the ones before were accepted). Starts
-    from ``prior`` with ``prior_weight`` pseudo-observations per bin.
-    """
+    """How often the verifier accepts a draft token, by the bin of the drafter's own probability
+    of it (a small model's probabilities are not acceptance probabilities), in three contexts:
+    a block's first token after a fully accepted block, after a rejection, and later tokens.
+    Starts from ``prior`` with ``prior_weight`` pseudo-observations per bin."""
 
     prior: float = 0.6
     prior_weight: float = 2.0
@@ -499,26 +438,14 @@ class Estimates:
                   rates: dict[str, float] | None = None, tree: tuple[int, ...] | None = None
                   ) -> tuple[float, dict[str, int]]:
         """Expected seconds per token the authority commits along ``path``, for one of ``batch``
-        sequences, and the lookahead per level that minimises it (the speedup equation,
-        cascade/DESIGN.md §4, applied edge by edge).
-
-        Level ``path[0]`` drafts one token per forward pass. Level ``path[i]`` builds its tokens
-        in rounds: k tokens from below (k times the cost per token below) plus one forward pass
-        of its own over k + 1 positions, yielding ``expected_tokens(k)`` tokens. The best k per
-        edge is chosen bottom-up (``rates``, if given, receives each level's seconds per token it
-        emits). With ``pool_weight``, an edge's acceptance is shrunk towards the rate pooled over
-        all edges into the same verifier, worth that many observations: drafters checked by one
-        model accept alike unless measured otherwise, so a rarely tried edge is priced mostly by
-        its (well measured) costs instead of by a few noisy rounds. Only drafters of one kind
-        (``kinds``: models, an n-gram level, a feature head) pool: prompt lookup proposes only
-        where the text repeats and is then accepted far more often than a small model is. Under
-        load a pass's fixed cost is shared by the batch while each position still costs its own,
-        which is what makes speculation stop paying.
-
-        With ``tree`` (widths per depth), the first edge is a tree of the first level's top
-        candidates instead of a block: one drafting pass per depth over the nodes one depth up,
-        one verifying pass over every node, and the expected accepted path from the measured
-        acceptance by depth and rank (:class:`TreeAcceptance`).
+        sequences, and the lookahead per level that minimises it: the speedup equation
+        (cascade/DESIGN.md §4) applied edge by edge, bottom-up. Level ``path[0]`` drafts one
+        token a pass; level ``path[i]`` takes k tokens from below and runs one pass over k + 1
+        positions, for ``expected_tokens(k)`` tokens (``rates``, if given, receives each level's
+        seconds per token). With ``pool_weight`` an edge's acceptance is shrunk towards the rate
+        pooled over the other edges of its proposer's kind into the same verifier; with ``tree``
+        the first edge is a tree of the first level's top candidates (:class:`TreeAcceptance`).
+        docs/policies.md ("Path choice", "Trees") says why.
         """
         def cost(level: str, width: int) -> float:
             c = self.cost(level, batch, width)
@@ -528,9 +455,8 @@ class Estimates:
 
         def pooled(below: str, level: str, j: int) -> tuple[float, float] | None:
             """(acceptance at position j pooled over the other edges into ``level`` from a
-            proposer of ``below``'s kind, the observations' worth it carries: ``pool_weight`` at
-            most, and no more than the pool has seen). The edge's own rounds are not in its pool:
-            pooled with itself, one unlucky round would count ``pool_weight`` times over."""
+            proposer of ``below``'s kind, worth ``pool_weight`` observations at most and no more
+            than the pool has seen); not the edge itself, whose own rounds would count twice."""
             if not self.pool_weight:
                 return None
             key = (below, level)

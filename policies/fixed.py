@@ -26,18 +26,34 @@ class FixedParams(PathParams):
                     "(with its own lookahead); it needs an edge into the path's next level.")
 
 
-class FixedPolicy(Policy):
-    """Always the same path (default: the longest path to the authority) and lookahead.
+class PathChoice:
+    """A mixin: the path given (``path_param``), or else the longest over the levels available,
+    cached per available set; ``bind`` checks a given path against the graph."""
 
-    Params (:class:`FixedParams`):
-      lookahead: int for every proposing level, or a mapping level -> int (default 4).
-      path: list of level names ending at the authority (default: the longest path).
-      tree: mapping level -> widths per depth, for the level that starts the path (others are refused).
-      stand_in: mapping level -> level; the second drafts where the first, starting the path,
-        proposes nothing.
+    path_param: list[str] | None
+    _paths: dict
 
-    ``lookahead`` may also be passed positionally: ``FixedPolicy(3)``, ``FixedPolicy({"tiny": 2})``.
-    """
+    def _init_path(self, path: list[str] | None) -> None:
+        self.path_param = list(path) if path is not None else None
+        self._paths = {}
+
+    def bind(self, graph: nx.DiGraph, authority: str) -> None:
+        super().bind(graph, authority)
+        if self.path_param is not None:
+            check_path(self, graph, authority, self.path_param)
+
+    def _path(self, ctx: PlanContext) -> tuple[str, ...]:
+        if self.path_param is not None and all(n in ctx.available for n in self.path_param):
+            return tuple(self.path_param)
+        if ctx.available not in self._paths:
+            self._paths[ctx.available] = longest_path(ctx.graph, ctx.authority, ctx.available)
+        return self._paths[ctx.available]
+
+
+class FixedPolicy(PathChoice, Policy):
+    """Always the same path (default: the longest path to the authority) and lookahead; the
+    parameters are :class:`FixedParams`. ``lookahead`` may also be passed positionally:
+    ``FixedPolicy(3)``, ``FixedPolicy({"tiny": 2})``."""
 
     name = "fixed"
     Params = FixedParams
@@ -49,22 +65,20 @@ class FixedPolicy(Policy):
             kwargs["lookahead"], lookahead = lookahead, None
         super().__init__(lookahead, **kwargs)
         self.lookahead_param = self.params.lookahead
-        self.path_param = list(self.params.path) if self.params.path is not None else None
+        self._init_path(self.params.path)
         self.tree_param = {level: tuple(widths) for level, widths in self.params.tree.items()}
         self.stand_in_param = dict(self.params.stand_in)
-        self._paths: dict[frozenset[str], tuple[str, ...]] = {}
 
     def bind(self, graph: nx.DiGraph, authority: str) -> None:
         super().bind(graph, authority)
-        if self.path_param is not None:
-            check_path(self, graph, authority, self.path_param)
-        if isinstance(self.lookahead_param, dict):
-            unknown = set(self.lookahead_param) - set(graph.nodes)
+
+        def known(field: str, levels) -> None:
+            unknown = set(levels) - set(graph.nodes)
             if unknown:
-                raise self.param_error("lookahead", f"unknown level(s) {sorted(unknown)}; levels: {list(graph.nodes)}")
-        unknown = set(self.tree_param) - set(graph.nodes)
-        if unknown:
-            raise self.param_error("tree", f"unknown level(s) {sorted(unknown)}; levels: {list(graph.nodes)}")
+                raise self.param_error(field, f"unknown level(s) {sorted(unknown)}; levels: {list(graph.nodes)}")
+
+        known("lookahead", self.lookahead_param if isinstance(self.lookahead_param, dict) else ())
+        known("tree", self.tree_param)
         if authority in self.tree_param:
             raise self.param_error("tree", f"the authority {authority!r} proposes nothing")
         # a tree is drafted by the level that starts the path; one named elsewhere would do nothing
@@ -73,9 +87,7 @@ class FixedPolicy(Policy):
             if level != path[0]:
                 raise self.param_error("tree", f"level {level!r} does not start the path {' -> '.join(path)}: only "
                                                f"the path's first level ({path[0]!r}) drafts a tree")
-        unknown = (set(self.stand_in_param) | set(self.stand_in_param.values())) - set(graph.nodes)
-        if unknown:
-            raise self.param_error("stand_in", f"unknown level(s) {sorted(unknown)}; levels: {list(graph.nodes)}")
+        known("stand_in", set(self.stand_in_param) | set(self.stand_in_param.values()))
         if authority in self.stand_in_param.values():
             raise self.param_error("stand_in", f"the authority {authority!r} proposes nothing")
 
@@ -85,12 +97,7 @@ class FixedPolicy(Policy):
         return self.lookahead_param
 
     def plan(self, ctx: PlanContext) -> StepPlan:
-        if self.path_param is not None and all(n in ctx.available for n in self.path_param):
-            path = tuple(self.path_param)
-        else:
-            path = self._paths.get(ctx.available)
-            if path is None:
-                path = self._paths[ctx.available] = longest_path(ctx.graph, ctx.authority, ctx.available)
+        path = self._path(ctx)
         tree = {path[0]: self.tree_param[path[0]]} if path[0] in self.tree_param and len(path) > 1 else {}
         lookahead = {n: self.lookahead_for(n) for n in path[:-1]}
         stand_in = {}

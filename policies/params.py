@@ -49,13 +49,18 @@ LevelName = Annotated[str, Strict()]
 MAX_TREE_NODES = 256  # what one verifying pass may be asked to score per sequence (a request names it)
 
 
-def _tree_nodes(widths: list[int]) -> list[int]:
+def tree_size(widths) -> int:
+    """The nodes of a tree of ``widths`` per depth (``widths[d]`` below every node at depth d)."""
     nodes, level = 0, 1
     for w in widths:
         level *= w
         nodes += level
-        if nodes > MAX_TREE_NODES:
-            raise ValueError(f"a tree of widths {widths} has more than {MAX_TREE_NODES} nodes")
+    return nodes
+
+
+def _tree_nodes(widths: list[int]) -> list[int]:
+    if tree_size(widths) > MAX_TREE_NODES:
+        raise ValueError(f"a tree of widths {widths} has more than {MAX_TREE_NODES} nodes")
     return widths
 
 
@@ -115,4 +120,4 @@ def check_params(model: type[PolicyParams], policy: str, params: Any) -> PolicyP
 
 
 __all__ = ["Float", "Int", "LevelName", "Lookahead", "PathParams", "PolicyError", "PolicyParams", "Unit", "check_params",
-           "per_level"]
+           "per_level", "tree_size"]

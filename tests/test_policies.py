@@ -90,8 +90,6 @@ def test_edge_acceptance_per_position():
     acc.observe(proposed=4, accepted=4)
     assert acc.seen == [2, 2, 2, 1] and acc.accepted == [2, 2, 1, 1]
     assert acc.rate(2) == 0.5 and acc.rate(3) == 1.0 and acc.rate(10) == 1.0
-    assert acc.expected_tokens(0) == 1.0
-    assert acc.expected_tokens(3) == pytest.approx(1 + 1 + 1 + 0.5)
 
 
 def test_path_cost_follows_the_speedup_equation():
@@ -218,18 +216,18 @@ def test_level_cost_learns_pass_and_position_costs_per_batch_size():
     for batch in (1, 16):
         for width in (1, 9, 2, 33, 5):  # 10 ms per pass + 0.6 ms per sequence in it + 0.4 ms per position
             cost.observe_pass(1, batch * width, 0.010 + 0.0006 * batch + 0.0004 * batch * width, rows=batch)
-    assert cost.fit(1) == pytest.approx((0.0106, 0.0004), rel=1e-3)
-    assert cost.fit(16) == pytest.approx((0.0196, 0.0004), rel=1e-3)
-    assert cost.fit(20) == cost.fit(16) and cost.fit(64) == cost.fit(16)  # nearest measured batch size
+    assert cost.model(1).fit == pytest.approx((0.0106, 0.0004), rel=1e-3)
+    assert cost.model(16).fit == pytest.approx((0.0196, 0.0004), rel=1e-3)
+    assert cost.model(20).fit == cost.model(16).fit and cost.model(64).fit == cost.model(16).fit  # nearest measured batch size
     # a sequence of 16 shares the pass's fixed cost and pays its own positions
     assert cost.per_sequence(16, 3) == pytest.approx(0.0196 / 16 + 0.0012, rel=1e-3)
     cost.observe_pass(1, 4, 5.0, rows=1)  # a call stalled by something else is clipped, not trusted
-    assert cost.fit(1)[0] < 0.05
+    assert cost.model(1).fit[0] < 0.05
     cost.observe_pass(1, 200, 9.0, rows=1)  # a prompt's prefill is not a decoding pass: not fitted
-    assert cost.fit(1)[0] < 0.05
-    before = cost.fit(16)  # nor is a pass in which a request joins a running batch with its prompt
+    assert cost.model(1).fit[0] < 0.05
+    before = cost.model(16).fit  # nor is a pass in which a request joins a running batch with its prompt
     cost.observe_pass(1, 16 * 2 + 60, 0.5, rows=16, catch_up=60)
-    assert cost.fit(16) == before
+    assert cost.model(16).fit == before
 
 
 def test_a_width_no_longer_chosen_is_priced_by_the_passes_run_now():

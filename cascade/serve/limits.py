@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cascade.errors import RequestError, describe
+from policies.params import tree_size
 
 #: how the operator raises or lowers a limit (named in the errors a client gets)
 FLAG = "cascade serve --policy-limit"
@@ -84,10 +85,7 @@ class PolicyLimits(BaseModel):
             raise self._beyond(where, f"a tree {len(widths)} deep", "tree_depth", self.tree_depth)
         if max(widths, default=0) > self.tree_width:
             raise self._beyond(where, f"{max(widths)} candidates below a node", "tree_width", self.tree_width)
-        nodes, level = 0, 1
-        for w in widths:
-            level *= w
-            nodes += level
+        nodes = tree_size(widths)
         if nodes > self.tree_nodes:
             raise self._beyond(where, f"a tree of {nodes} nodes", "tree_nodes", self.tree_nodes)
 
