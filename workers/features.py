@@ -84,12 +84,12 @@ class FeatureStore:
         self.last = hidden.detach()
 
     @torch.inference_mode()  # the worker's passes make inference tensors
-    def record(self, seq_id: str, past: int, rows: torch.Tensor,
-               tree: tuple[Sequence[int], Sequence[int]] | None = None, tree_rows: torch.Tensor | None = None) -> None:
-        """A pass fed positions (features ``rows [fed, hidden]``) after the first ``past``, which the
-        worker's cache held for the sequence, and, with ``tree``, that tree's nodes after them
-        (``tree_rows``), pending until settled. A tree still pending here is one the cache dropped
-        (it tells :meth:`settle` what it keeps)."""
+    def record(self, seq_id: str, past: int, hidden: torch.Tensor, start: int, fed: int,
+               tree: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
+        """A pass fed ``fed`` positions after the first ``past`` (which the worker's cache held) and,
+        with ``tree``, that tree's nodes after them, pending until settled: their features are rows
+        ``start ..`` of ``hidden`` ``[width, hidden_size]`` (the sequence's row of :attr:`last`). A
+        tree still pending here is one the cache dropped (it tells :meth:`settle` what it keeps)."""
         held = self.seqs.setdefault(seq_id, _Held())
         held.tree = None
         held.length = min(held.length, past)  # what the cache kept, it kept of these (hold)
@@ -97,16 +97,19 @@ class FeatureStore:
             # the cache holds positions the store never saw (features were asked for late): keep the
             # contiguous part; :meth:`HFWorker.features` recomputes the rest when asked
             return
-        self._append(held, rows)
+        self._append(held, hidden[start:start + fed])
         if tree is not None and len(tree[0]):
-            held.tree = (list(tree[0]), list(tree[1]), tree_rows.detach().clone())
+            nodes = hidden[start + fed:start + fed + len(tree[0])]
+            held.tree = (list(tree[0]), list(tree[1]), nodes.detach().clone())
 
     def settle(self, seq_id: str, path: Sequence[int]) -> None:
-        """The cache settled the tree scored last: keep the features of its nodes ``path`` (root
-        first), drop the others'."""
+        """The tree scored last is settled: keep the features of its nodes ``path`` (root first),
+        drop the others'."""
         held = self.seqs.get(seq_id)
         if held is not None and held.tree is not None:
-            self._settle(held, list(path))
+            rows, held.tree = held.tree[2], None
+            if len(path):
+                self._append(held, rows[list(path)])
 
     @torch.inference_mode()
     def read(self, seq_id: str, token_ids: Sequence[int], start: int) -> torch.Tensor | None:
@@ -121,7 +124,7 @@ class FeatureStore:
             return None
         if held.tree is not None:  # scored last, the cache not called since: the path ``token_ids`` take
             tokens, parents, _ = held.tree
-            self._settle(held, accepted_path(tokens, parents, token_ids, held.length))
+            self.settle(seq_id, accepted_path(tokens, parents, token_ids, held.length))
         if held.length < end:  # ``token_ids`` continue what it holds (hold)
             return None
         return held.rows[start:end].clone()
@@ -153,9 +156,3 @@ class FeatureStore:
             held.rows = grown
         held.rows[n:n + add] = rows
         held.length = n + add
-
-    def _settle(self, held: _Held, path: list[int]) -> None:
-        """Keep the pending tree's nodes ``path`` (a root-to-node path, root first); drop the rest."""
-        rows, held.tree = held.tree[2], None
-        if path:
-            self._append(held, rows[path])

@@ -211,7 +211,7 @@ class SeqCaches(KVCache):
         among = window_mask(t + len(nodes), t, parents)[None].to(dev) if nodes else None
         logits = self.forward(new, positions, entry.cache, None, num_positions + len(nodes), among)[0]
         if self.features is not None:
-            self._record(seq_id, past, t, 0, tree if nodes else None)
+            self.features.record(seq_id, past, self.features.last[0], 0, t, tree)
         entry.length += t
         entry.tree = Pending(list(nodes), list(parents)) if nodes else None
         return host_logits(logits)
@@ -247,7 +247,7 @@ class SeqCaches(KVCache):
         for b, ((entry, fresh), new, n) in enumerate(zip(rows, news, num_positions)):
             tree = trees[b] if trees and trees[b][0] else None
             if self.features is not None:  # row b's new tokens start the window
-                self._record(seq_ids[b], pasts[b], len(fresh), b, tree)
+                self.features.record(seq_ids[b], pasts[b], self.features.last[b], 0, len(fresh), tree)
             for layer_idx, layer in enumerate(out.cache.layers):
                 entry.cache.update(layer.keys[b:b + 1, :, longest:longest + len(new)],
                                    layer.values[b:b + 1, :, longest:longest + len(new)], layer_idx)
@@ -314,9 +314,3 @@ class SeqCaches(KVCache):
         entry.length += len(path)
         if self.features is not None:
             self.features.settle(seq_id, path)
-
-    def _record(self, seq_id: str, past: int, fed: int, row: int, tree=None) -> None:
-        """Keep the features of row ``row`` of the pass that just ran: its ``fed`` positions after
-        the first ``past`` start its window, a tree's nodes follow."""
-        hidden, n = self.features.last[row], len(tree[0]) if tree else 0
-        self.features.record(seq_id, past, hidden[:fed], tree, hidden[fed:fed + n] if n else None)

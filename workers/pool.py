@@ -310,7 +310,7 @@ class Pool(KVCache):
         self.forward(input_ids.to(dev), positions.to(dev), layers, mask.to(dev), 1)
         if self.features is not None:  # each head ends the window; the rows held nothing before
             for i, (r, h) in enumerate(zip(rows, heads)):
-                self.features.record(self.rows[r], 0, self.features.last[i, width - len(h):])
+                self.features.record(self.rows[r], 0, self.features.last[i], width - len(h), len(h))
         used = self.used
         for layer, k, v in zip(layers, self.kbufs, self.vbufs):
             for i, (r, h) in enumerate(zip(rows, heads)):
@@ -373,10 +373,8 @@ class Pool(KVCache):
                 self.trees[r] = Pending(list(tree[0]), list(tree[1]), end)
                 new = new[:len(new) - len(tree[0])]
             if self.features is not None:  # the row's new tokens (then its tree's nodes) end the window
-                hidden = self.features.last[slot[r]]
-                nodes = len(tree[0]) if tree else 0
-                self.features.record(self.rows[r], len(self.cols[r]), hidden[width - nodes - len(new):width - nodes],
-                                     tree, hidden[width - nodes:] if nodes else None)
+                self.features.record(self.rows[r], len(self.cols[r]), self.features.last[slot[r]],
+                                     end - used - len(new), len(new), tree)
             self.cols[r].extend(range(end - len(new), end))
             results.append(logits_all[slot[r], keep - n:keep])
         return results
