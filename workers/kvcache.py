@@ -51,11 +51,11 @@ class KVCache(abc.ABC):
         """Forget these sequences."""
 
 
-def move_columns(buffers: Sequence[torch.Tensor], rows: list[int], src: list[int], dst: list[int]) -> None:
-    """Copy cache columns ``src`` to ``dst`` (row ``rows[i]``: column ``src[i]`` to ``dst[i]``) in
-    each of ``buffers`` ``[rows, heads, columns, head_dim]``: a settled path to its chain's place."""
+def move_columns(buffers: Sequence[torch.Tensor], moves: Sequence[tuple[int, int, int]]) -> None:
+    """Copy cache columns in each of ``buffers`` ``[rows, heads, columns, head_dim]``, per move
+    ``(row, src, dst)`` that row's column ``src`` to ``dst``: a settled path to its chain's place."""
     dev = buffers[0].device
-    rr, s, d = (torch.tensor(x, device=dev) for x in (rows, src, dst))
+    rr, s, d = (torch.tensor(x, device=dev) for x in zip(*moves))
     for buf in buffers:
         buf[rr, :, d] = buf[rr, :, s]
 
@@ -306,10 +306,9 @@ class SeqCaches(KVCache):
         tree, entry.tree = entry.tree, None
         base = entry.length
         path = [] if tokens is None else accepted_path(tree.tokens, tree.parents, tokens, base)
-        moves = [(base + i, base + j) for j, i in enumerate(path) if i != j]
+        moves = [(0, base + i, base + j) for j, i in enumerate(path) if i != j]
         if moves:
-            buffers = [kv for layer in entry.cache.layers for kv in (layer.keys, layer.values)]
-            move_columns(buffers, [0] * len(moves), [s for s, _ in moves], [d for _, d in moves])
+            move_columns([kv for layer in entry.cache.layers for kv in (layer.keys, layer.values)], moves)
         entry.cache.crop(len(path) - len(tree.tokens))
         entry.length += len(path)
         if self.features is not None:

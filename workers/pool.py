@@ -221,48 +221,42 @@ class Pool(KVCache):
         told = [self.told.pop(self.rows[r], len(self.cols[r])) for r in rows]
         if self.trees:
             self._settle(rows, [None if n < len(self.cols[r]) else t for r, n, t in zip(rows, told, token_ids)])
-        news, drop_rows, drop_cols = [], [], []
+        news, drops = [], []
         for r, toks, n, held in zip(rows, token_ids, num_positions, told):
             if not 1 <= n <= len(toks):
                 raise ValueError(f"num_positions={n} for a sequence of {len(toks)} tokens")
             keep = min(held, len(self.cols[r]), len(toks) - n)
-            dropped = self.cols[r][keep:]
-            drop_rows.extend([r] * len(dropped))
-            drop_cols.extend(dropped)
+            drops.extend((r, c) for c in self.cols[r][keep:])
             del self.cols[r][keep:]
             news.append(list(toks[keep:]))
-        if drop_rows:
-            dev = self.device
-            self.valid[torch.tensor(drop_rows, device=dev), torch.tensor(drop_cols, device=dev)] = False
+        self._invalidate(drops)
         return news
+
+    def _invalidate(self, cells: list[tuple[int, int]]) -> None:
+        """Mark these ``(row, column)`` cells of the cache invalid."""
+        if cells:
+            rows, cols = zip(*cells)
+            self.valid[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = False
 
     def _settle(self, rows: list[int], token_ids) -> None:
         """Resolve the pending trees of these rows against the tokens they are handed now
         (:func:`~workers.trees.accepted_path`; None: drop the tree): each keeps the path its
         sequence took, moved to the columns right after its tail, and drops its other nodes;
         then ``used`` shrinks to the last column any row still holds."""
-        move_rows, move_from, move_to, drop_rows, drop_cols = [], [], [], [], []
+        moves, drops = [], []
         for r, toks in zip(rows, token_ids):
             tree = self.trees.pop(r, None)
             if tree is None:
                 continue
             path = [] if toks is None else accepted_path(tree.tokens, tree.parents, toks, len(self.cols[r]))
-            for j, i in enumerate(path):
-                if i != j:
-                    move_rows.append(r)
-                    move_from.append(tree.start + i)
-                    move_to.append(tree.start + j)
-            gone = range(tree.start + len(path), tree.start + len(tree.tokens))
-            drop_rows.extend([r] * len(gone))
-            drop_cols.extend(gone)
+            moves.extend((r, tree.start + i, tree.start + j) for j, i in enumerate(path) if i != j)
+            drops.extend((r, c) for c in range(tree.start + len(path), tree.start + len(tree.tokens)))
             self.cols[r].extend(range(tree.start, tree.start + len(path)))
             if self.features is not None:
                 self.features.settle(self.rows[r], path)
-        if move_rows:
-            move_columns(self.kbufs + self.vbufs, move_rows, move_from, move_to)
-        if drop_rows:
-            dev = self.device
-            self.valid[torch.tensor(drop_rows, device=dev), torch.tensor(drop_cols, device=dev)] = False
+        if moves:
+            move_columns(self.kbufs + self.vbufs, moves)
+        self._invalidate(drops)
         end = max((c[-1] + 1 for c in self.cols if c), default=0)
         end = max([end] + [t.start + len(t.tokens) for t in self.trees.values()])
         self.used = min(self.used, end)
