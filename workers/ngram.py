@@ -5,7 +5,7 @@ topology that makes it a verifier is rejected at load time.
 """
 from __future__ import annotations
 
-from typing import Annotated, Sequence
+from typing import Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -13,14 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from cascade.errors import describe
 from cascade.sampling import Sampling
 from policies.base import DraftStep, StopRule
+from policies.params import Int
 from workers.base import Draft, Worker
-
-
-def _integer(value):
-    """numpy integer scalars count as ints; a bool does not."""
-    import numbers
-
-    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
 
 
 class NGramParams(BaseModel):
@@ -28,13 +22,8 @@ class NGramParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_ngram: Annotated[int, Field(ge=1, strict=True)] = Field(3, description="Longest suffix to look up.")
-    min_ngram: Annotated[int, Field(ge=1, strict=True)] = Field(1, description="Shortest suffix to look up.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _integers(cls, data):
-        return {k: _integer(v) for k, v in data.items()} if isinstance(data, dict) else data
+    max_ngram: Int = Field(3, ge=1, description="Longest suffix to look up.")
+    min_ngram: Int = Field(1, ge=1, description="Shortest suffix to look up.")
 
     @model_validator(mode="after")
     def _ordered(self) -> "NGramParams":
