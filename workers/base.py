@@ -53,7 +53,6 @@ class Worker(abc.ABC):
     of candidates (:meth:`score_tree`) are built on it.
 
     ``vocab_size`` is the width of the rows :meth:`score` returns.
-    ``forward_passes_per_draft_token`` says what a drafted token costs in forward passes.
     """
 
     vocab_size: int
@@ -204,7 +203,6 @@ class Worker(abc.ABC):
         drafted: list[list[int]] = [[] for _ in seq_ids]
         rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]
         last: list = [None] * len(seq_ids)  # each sequence's previous DraftStep in this block
-        passes = [0] * len(seq_ids)
         confidence: list[list[float]] = [[] for _ in seq_ids]
         stopped = [False] * len(seq_ids)
         active = [b for b in range(len(seq_ids)) if max_tokens[b] > 0]
@@ -235,7 +233,6 @@ class Worker(abc.ABC):
                 j = len(drafted[b])
                 drafted[b].append(token)
                 rows[b].append(probs[a])
-                passes[b] += 1
                 confidence[b].append(token_probs[a])
                 if stop is not None:
                     last[b] = draft_step(j, logits64[a], token, previous=last[b], token_prob=token_probs[a])
@@ -248,8 +245,8 @@ class Worker(abc.ABC):
                     stopped[active[a]] = bool(verdict)
             active = [active[a] for a in deciding if not stopped[active[a]]]
         return [
-            Draft(drafted[b], torch.stack(rows[b]) if rows[b] else torch.zeros(0, self.vocab_size), passes[b],
-                  confidence[b], stopped[b])
+            Draft(drafted[b], torch.stack(rows[b]) if rows[b] else torch.zeros(0, self.vocab_size), len(drafted[b]),
+                  confidence[b], stopped[b])  # one pass a drafted token
             for b in range(len(seq_ids))
         ]
 
