@@ -87,13 +87,12 @@ class HFWorker(Worker):
         self._quantized = quantized
         self.lean = (lean_forward(self.model, pack=self._pack, quantized=quantized,
                                   batch_invariant=self._invariant) if lean else None)
-        if self._invariant and self.lean is None:
-            raise ValueError("batch_invariant: the level's model is not one the lean forward runs "
-                             "(workers/lean.py), which batch invariance needs")
+        for setting, needs, wanted in (("batch_invariant", "batch invariance needs", self._invariant),
+                                       ("quantize", "quantized products need", quantized is not None)):
+            if wanted and self.lean is None:
+                raise ValueError(f"{setting}: the level's model is not one the lean forward runs "
+                                 f"(workers/lean.py), which {needs}")
         if quantized is not None:
-            if self.lean is None:
-                raise ValueError("quantize: the level's model is not one the lean forward runs "
-                                 "(workers/lean.py), which quantized products need")
             quantized.measure()
         self._features: FeatureStore | None = None  # the last hidden states, kept once a head reads them
         # The sequences' keys and values (workers/kvcache.py): rows of one pool for batches, and a
