@@ -168,14 +168,11 @@ class Worker(abc.ABC):
         token_ids: Sequence[Sequence[int]],
         widths: Sequence[Sequence[int]],  # per sequence: children per node at each depth
     ) -> list[tuple[list[int], list[int]]]:
-        """Grow a tree of candidates after each sequence, depth by depth: every node at depth
-        ``d`` (the root at depth 0) gets the ``widths[b][d]`` tokens this level ranks highest
-        after it (its top-k logits, ties by token id). One :meth:`score_tree` pass per depth for
-        all sequences. Returns ``(tokens, parents)`` per sequence (parents -1 at the root, and
-        before their children), siblings best first.
-
-        The candidates are chosen, not sampled: the verifier follows them with the matching rule
-        (:func:`cascade.tree.verify_tree_matching`), which needs no draft rows."""
+        """Grow a tree of candidates after each sequence, one :meth:`score_tree` pass per depth for
+        all sequences: every node at depth ``d`` (the root: 0) gets the ``widths[b][d]`` tokens
+        this level ranks highest after it (:func:`grow_children`). Returns ``(tokens, parents)``
+        per sequence, siblings best first. The candidates are chosen, not sampled: the verifier
+        follows them with the matching rule (:func:`cascade.tree.verify_tree_matching`)."""
         trees: list[tuple[list[int], list[int]]] = [([], []) for _ in seq_ids]
         frontier: list[list[int]] = [[-1] for _ in seq_ids]
         for depth in range(max((len(w) for w in widths), default=0)):

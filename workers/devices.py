@@ -15,12 +15,9 @@ log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str, *, fallback: bool = True) -> torch.device:
-    """``auto`` -> the first visible CUDA device, else the CPU; anything else as torch reads it.
-
-    An unavailable CUDA device (no CUDA, or an index past the last device) falls back to the
-    CPU with a warning, or raises ``ValueError`` when ``fallback`` is false. An unknown device
-    name raises ``ValueError`` naming it.
-    """
+    """``auto`` -> the first visible CUDA device, else the CPU; anything else as torch reads it. An
+    unavailable CUDA device (no CUDA, or an index past the last) falls back to the CPU with a
+    warning or, ``fallback`` false, raises ``ValueError``, as an unknown name always does."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

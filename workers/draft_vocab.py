@@ -74,4 +74,3 @@ class DraftVocab:
         rows = logits.new_full((logits.shape[0], self.authority_vocab_size), float("-inf"))
         rows[:, self.ids] = logits[:, :self.other]
         return rows
-

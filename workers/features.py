@@ -1,20 +1,11 @@
 """A transformers worker's own hidden states, kept for a feature head (:mod:`workers.head`).
 
-A feature head drafts from the features of the level it reads (its ``features_of``): the last
-hidden state at every position, the input of that level's LM head (after its final norm), or,
-for a head that fuses layers (EAGLE-3, ``fuse_layers`` in its config), the inputs of those
-decoder layers side by side (layer ``k``'s input: the residual stream after ``k`` layers, what
-transformers' ``output_hidden_states`` gives as ``hidden_states[k]``). The level computes them
-anyway while it scores; :class:`FeatureStore` keeps them per sequence, so that handing them to
-the head costs no extra pass.
-
-The store follows the worker's KV cache by positions: per sequence, how many positions it holds
-features of and one feature row per position (row ``i``: the hidden state after reading tokens
-``0..i``, which predicts token ``i + 1``). It keeps what the cache keeps (:meth:`FeatureStore.hold`),
-and every pass records what it fed after the cache's prefix (:meth:`FeatureStore.record`), so a
-rejected block leaves no feature behind. A scored tree's nodes wait as pending, as in the cache,
-until the cache settles them (:meth:`FeatureStore.settle`) or a read does
-(:func:`workers.trees.accepted_path`).
+A feature is the last hidden state at a position (the LM head's input), or, for a head that fuses
+layers (EAGLE-3, ``fuse_layers``), the inputs of those decoder layers side by side (layer ``k``'s
+input: transformers' ``hidden_states[k]``). The level computes them anyway while it scores;
+:class:`FeatureStore` keeps them per sequence, following the worker's KV cache by positions (row
+``i``: the state after reading tokens ``0..i``), so handing them to the head costs no extra pass
+and a rejected block leaves none behind (docs/engine.md, "Feature heads").
 """
 from __future__ import annotations
 

@@ -8,43 +8,10 @@ head. At sequence position ``t`` it takes ``(feature_{t-1}, token_t)``:
     f̂_t  = decoder_layer(x_0 .. x_t)                         one LlamaDecoderLayer, its own RoPE
     logits predicting token_{t+1} = lm_head(f̂_t)
 
-``feature_{-1}`` (position 0 has no feature before it) is a vector of zeros. ``embed`` and
-``lm_head`` are the source level's own modules, read (frozen) when the head loads, never stored
-with it; a head may carry its own output head instead, optionally over a trimmed draft vocabulary
-(``draft_vocab.json``, :mod:`workers.draft_vocab`): its rows are then ``-inf`` outside it.
-
-On disk a head is a folder: ``head_config.json`` (:class:`HeadConfig`) and ``model.safetensors``
-(``fc.*``, ``layer.*``, and ``lm_head.weight`` if it has its own), written by
-:meth:`FeatureHead.save_pretrained` and read by :meth:`FeatureHead.from_pretrained`.
-
-**Fused features** (EAGLE-3, an option): a head whose config names ``fuse_layers`` reads the
-inputs of those decoder layers of its source side by side instead of the last hidden state
-(:mod:`workers.features`), projected to one hidden state by its own ``fuse`` map
-(:meth:`FeatureHead.project`, applied as the source's features are handed over); what it feeds
-back of its own, ``f̂``, is already in that space. ``fuse.weight`` is then in its weights too.
-
-**Drafting** (:class:`HeadWorker`). Where the source has computed the feature before a position,
-the head feeds it (a *real* entry); past the features it has been handed, it feeds its own
-prediction ``f̂_{t-1}`` (a *predicted* entry), one token per pass, as EAGLE drafts. Its KV cache
-keeps real entries like any cache, as far as the engine says it holds them (:meth:`HeadWorker.hold`);
-a predicted entry is dropped as soon as the source's feature for it arrives (:meth:`HeadWorker.take_features`), so
-after a verified step the cache holds real entries only. The draft is sampled as every level
-samples (:meth:`workers.base.Worker.draft`: the same sampling, uniforms and stop rule), and its
-``probs`` are the rows it sampled from: the exactness argument needs nothing else
-(cascade/DESIGN.md §2). A head only proposes: it cannot verify (``can_score = False``).
-
-**Trees** (:meth:`HeadWorker.draft_tree`, as EAGLE-2 grows them): the head's own entries up to the
-last token, then one batched pass per depth over the new frontier, each node fed its parent's
-predicted feature and attending to the committed entries and its own ancestors only. A node's
-children are the tokens its row ranks highest (:func:`workers.base.grow_children`, the rule every
-model level's trees use), so the engine verifies a head's tree exactly as a drafter's.
-
-**The hand-off** (:meth:`HeadWorker.hand_off`, called by the engine before a head drafts): the head
-says from which position it lacks features (:meth:`HeadWorker.features_needed`), its source
-returns them (:meth:`workers.hf.HFWorker.features`: what its passes kept, no extra pass, except a
-prefill of positions it has never computed) and the head takes them (:meth:`HeadWorker.hand_off`).
-Under Ray the head lives in its source's actor and its proxy does the hand-off there in one call
-(:class:`cascade.backends.ray.RayHeadWorker`): features never cross the wire.
+``feature_{-1}`` is a vector of zeros; ``embed`` and ``lm_head`` are the source level's own
+modules (a head may carry its own output head, optionally over a trimmed draft vocabulary). Its
+folder, fused features (EAGLE-3), how it drafts past the features it was handed, grows trees and
+takes features from its source (the hand-off): docs/engine.md, "Feature heads".
 """
 from __future__ import annotations
 
@@ -129,13 +96,10 @@ class HeadConfig:
 
 
 class FeatureHead(nn.Module):
-    """EAGLE-1's draft head: ``fc`` over (feature, embedding), one Llama decoder layer.
-
-    :meth:`forward` maps the inputs of positions (their previous position's feature and their
-    token's embedding) to predicted features ``f̂``; logits are an LM head applied to them (the
-    source's, or :attr:`lm_head`). For training, :func:`shifted` turns a sequence's features
-    into the inputs of its positions. A head that fuses layers (``fuse_layers``, EAGLE-3) reads
-    the source's features through :meth:`project` first; its own predictions need no projection."""
+    """EAGLE-1's draft head (see the module docstring): ``fc`` over (feature, embedding), one Llama
+    decoder layer; logits are an LM head (the source's, or :attr:`lm_head`) applied to the predicted
+    features :meth:`forward` returns. :func:`shifted` gives a trainer the inputs of a sequence's
+    positions; a head that fuses layers (EAGLE-3) reads its source's features through :meth:`project`."""
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -331,8 +295,7 @@ class HeadWorker(Worker):
         want = (draft_vocab.size - 1) if draft_vocab is not None else rows
         if head.lm_head is not None and head.lm_head.weight.shape[0] != want:
             raise ValueError(f"the head's own lm_head has {head.lm_head.weight.shape[0]} rows; expected {want}")
-        # drafts are warped over the draft vocabulary alone, in ascending id order, on the host
-        # where the logits come back (Worker.draft)
+        # on the host, where the logits come back (Worker.draft)
         self.draft_columns = draft_vocab.columns if draft_vocab is not None else None
         self._order = draft_vocab.order.to(self.device) if draft_vocab is not None else None
         self._trimmed_product = None
@@ -434,12 +397,10 @@ class HeadWorker(Worker):
     @torch.inference_mode()
     def draft_tree(self, seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
                    widths: Sequence[Sequence[int]]) -> list[tuple[list[int], list[int]]]:
-        """:meth:`Worker.draft_tree` as EAGLE-2 grows one: the head's entries up to each
-        sequence's last token first (as :meth:`draft` feeds them), then one batched pass per
-        depth over every node of the new frontier, each fed its parent's predicted feature (the
-        root's children: the last entry's) and attending to the sequence's entries and its own
-        ancestors. The nodes' entries live for this call only: the head's cache afterwards
-        holds the sequences' entries, as after :meth:`draft`."""
+        """:meth:`Worker.draft_tree` as EAGLE-2 grows one (docs/engine.md, "Feature heads"): the
+        head's entries up to each sequence's last token (as :meth:`draft` feeds them), then one
+        batched pass per depth over the new frontier (:meth:`_tree_pass`). The nodes' entries live
+        for this call only."""
         trees: list[tuple[list[int], list[int]]] = [([], []) for _ in seq_ids]
         grow = [b for b in range(len(seq_ids)) if widths[b]]
         if not grow:

@@ -1,17 +1,10 @@
 """A worker for any transformers causal LM.
 
-Its sequences' keys and values live in a :class:`~workers.kvcache.KVCache`, which keeps what the
-engine says each sequence still holds (:meth:`Worker.hold <workers.base.Worker.hold>`: rejected
-drafts go) and is fed what each call's tokens add. Sequences scored together are rows of
-one persistent batched cache, the pool (:class:`workers.pool.Pool`: preallocated buffers
-written in place, rows rolled back by a validity mask); a solo sequence keeps a cache of its own
-until it is batched, and a model whose cache layout the pool does not handle keeps one per
-sequence (:class:`workers.kvcache.SeqCaches`).
-
-A tree of candidate tokens (:meth:`HFWorker.score_tree`) is scored in one forward pass on
-either: its nodes are fed after the prefix's uncached tail with a tree attention mask and
-per-node position ids, and stay in the cache until the next call keeps the path that call's
-sequence took and drops the rest (:mod:`workers.trees`).
+Its sequences' keys and values live in a :class:`~workers.kvcache.KVCache`: rows of one batched
+pool for sequences scored together (:class:`workers.pool.Pool`), a cache of its own for a solo
+sequence until it is batched, or one per sequence where the model's cache layout rules the pool
+out (:class:`workers.kvcache.SeqCaches`). Trees of candidates are scored in one pass on either
+(:mod:`workers.trees`; docs/engine.md, "Scoring a tree of candidates").
 """
 from __future__ import annotations
 
@@ -101,11 +94,9 @@ class HFWorker(Worker):
         self._pool = Pool(self.model, self.device, self.context_length, self._logits) if self._caches.growing else None
 
     def keep_features(self, layers: Sequence[int] | None = None) -> None:
-        """From now on keep the last hidden state (the LM head's input) at every position each pass
-        computes, per sequence, for a feature head to read (:meth:`features`); with ``layers``
-        (a head's ``fuse_layers``), the inputs of those decoder layers side by side instead
-        (:mod:`workers.features`). Set when a topology has a head reading this level; nothing is
-        kept otherwise."""
+        """From now on keep, per sequence, the features of every position each pass computes, for a
+        feature head to read (:meth:`features`): the last hidden state, or with ``layers`` (a head's
+        ``fuse_layers``) the inputs of those decoder layers side by side (:mod:`workers.features`)."""
         layers = check_layers(layers, int(self.model.config.num_hidden_layers))
         if self._features is not None:
             if self._features.layers != layers:
@@ -137,11 +128,8 @@ class HFWorker(Worker):
                  starts: Sequence[int]) -> list[torch.Tensor]:
         """The last hidden states (the LM head's inputs) of positions ``starts[b] .. len - 2`` of
         each sequence ``token_ids[b]``: ``[len - 1 - starts[b], hidden]``, row ``j`` the state
-        after reading tokens ``0 .. starts[b] + j``, which predicts the next one.
-
-        What a pass computed is handed over as it was kept (:meth:`keep_features`); positions
-        this worker has not computed for the sequence are computed now, in one pass for all
-        sequences that lack some (a prefill: the first step of a request)."""
+        after reading tokens ``0 .. starts[b] + j``. What the passes kept (:meth:`keep_features`);
+        positions never computed for a sequence are computed now, in one pass for all."""
         store = self._features
         if store is None:
             raise RuntimeError("features: this level keeps no features (keep_features was not called)")
@@ -161,10 +149,8 @@ class HFWorker(Worker):
 
     def _logits(self, input_ids, position_ids, cache, valid, keep: int, among=None) -> torch.Tensor:
         """One forward pass writing into ``cache`` (a transformers Cache, or a list of cache
-        layers): logits ``[rows, keep, vocab]`` of the last ``keep`` positions. ``valid``
-        ``[rows, columns]`` says which cached columns (the new ones included) each row attends
-        to; None: all of them. ``among`` ``[rows, width, width]``: which new positions each new
-        one sees (a tree); None: causal (see :func:`workers.lean.lean_forward`)."""
+        layers): logits ``[rows, keep, vocab]`` of the last ``keep`` positions; ``valid`` and
+        ``among`` as :func:`workers.lean.lean_forward` takes them (None: all columns; causal)."""
         from transformers.cache_utils import Cache
 
         if self.lean is not None:
@@ -180,13 +166,10 @@ class HFWorker(Worker):
     def _tree_support(self) -> str | None:
         """How this model takes a tree's attention mask in one pass: ``"bool"`` or ``"float"``
         (the 4D mask transformers' forward gets; the lean forward builds its own), or None:
-        trees are scored path by path (:meth:`Worker.score_tree`).
-
-        One pass needs a cache of plain full-attention layers (a sliding-window layer would
-        evict prefix columns for the tree's rejected nodes; a recurrent one cannot branch), and
-        a forward that uses a ready 4D mask as it is: transformers 5's ``create_causal_mask``
-        returns a 4D mask untouched, so a model whose module builds its mask with it and runs
-        SDPA (boolean mask) or eager attention (additive mask) qualifies."""
+        trees are scored path by path (:meth:`Worker.score_tree`). One pass needs plain
+        full-attention cache layers and a module that builds its mask with transformers'
+        ``create_causal_mask`` (which returns a ready 4D mask untouched) and runs SDPA or eager
+        attention (docs/engine.md, "Scoring a tree of candidates")."""
         import sys
 
         from transformers import masking_utils

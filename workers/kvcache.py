@@ -6,9 +6,8 @@ per sequence (:class:`SeqCaches`). The engine says how many positions of each se
 still holds (:meth:`KVCache.hold`: a rejected block goes); a call hands each sequence's whole token
 list, which continues what the cache holds: the cache appends the rest in one forward pass for all
 the call's sequences, and answers the logits of the last positions asked for, on the host
-(:func:`workers.base.host_logits`). A tree's nodes, fed after the tail under a tree mask
-(:mod:`workers.trees`), stay pending until the sequence's next call settles them: the path it took
-(:func:`workers.trees.accepted_path`) moves where a chain would have put it, the other nodes go.
+(:func:`workers.base.host_logits`). A tree's nodes stay pending until the sequence's next call
+settles them (:mod:`workers.trees`).
 """
 from __future__ import annotations
 
@@ -151,10 +150,8 @@ def num_layers(model) -> int:
 
 
 def growing_cache(model):
-    """A solo sequence's cache: one buffer layer per decoder layer, grown by doubling and cropped
-    by moving its length back — where transformers' DynamicLayer concatenates, copying the whole
-    cache on every pass (what that costs: docs/engine.md, "Batches underneath"). The same keys
-    and values, in the same order: attention reads views of them."""
+    """A solo sequence's cache: one :func:`buffer_layer` per decoder layer (what it saves:
+    docs/engine.md, "Batches underneath"). The same keys and values, in the same order."""
     from transformers.cache_utils import Cache
 
     return Cache(layers=[buffer_layer(None, None, 0) for _ in range(num_layers(model))])
@@ -173,9 +170,8 @@ class _SeqCache:
 class SeqCaches(KVCache):
     """A cache of its own per sequence, by ``seq_id``: buffers that grow in place where the
     model's layers are plain full attention (:func:`growing_cache`), else a DynamicCache. One
-    sequence runs on the worker's forward pass; several run in one pass of transformers' forward
-    over their caches left-padded to a common length (the fallback for models the pool does not
-    handle), each row's new keys/values appended to its own cache afterwards."""
+    sequence runs on the worker's forward pass; several, on transformers' (:meth:`_batch`: the
+    fallback for models the pool does not handle)."""
 
     def __init__(self, model: Any, device: torch.device, forward: Forward,
                  tree_attention: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]):

@@ -1,27 +1,15 @@
 """A lean forward pass for transformers' Llama-shaped models (Llama, Mistral, Qwen2, Qwen3), over the
 caches the HF worker keeps.
 
-Small models are dominated by the framework's per-call work, not by their arithmetic: for the
-bundled 1-layer ``tiny``, most of transformers' ``LlamaForCausalLM.forward`` goes to building the
-4D causal mask, output records, keyword plumbing and attention dispatch, not to the matrix
-products (docs/benchmarks.md, "The lean forward"). A drafter runs several such passes per
-verification, so that overhead is paid many times per committed token.
-
-:func:`lean_forward` returns a function that computes the same thing from the loaded model's
-own parts — its embedding, rotary embedding and LM head modules; the weights of its RMSNorms,
-projections and MLPs, applied with those modules' own ops in their order; the same SDPA attention
-kernel — without that plumbing: the attention mask is built once per pass from the worker's
-``[rows, columns]`` validity mask, and each layer's keys/values go straight into the worker's
-cache layer. ``tests/test_lean.py`` checks that its logits equal transformers' on random models in
-float64 (each architecture; grouped-query and multi-query attention, scaled RoPE, biases, Qwen3's
-per-head query/key norms) and on the bundled family in float32 (where they agree bit for bit).
-In float32 on a CPU, passes of several rows multiply the large weights through oneDNN from
-copies prepacked when the forward is built, and the model's own large weights are stored
-column-major for passes of one row (:func:`_linear_op`: the same products, rounded in another
-order; a copy does not follow later changes to the model's weights). A
-model it does not recognise exactly (another architecture, a subclass, an attention
-implementation other than SDPA, a sliding attention window, hooks on its modules, which it
-would skip) gets ``None`` and keeps transformers' own forward.
+:func:`lean_forward` computes what transformers' forward does, from the loaded model's own parts
+(its embedding, rotary embedding and LM head modules, its weights applied with its modules' own
+ops in their order, the same SDPA kernel), without the per-call plumbing (4D mask building,
+output records, keyword plumbing, attention dispatch) that costs a small drafter more than its
+arithmetic. Its logits equal transformers' (``tests/test_lean.py``). Large weights may be
+multiplied from copies laid out for the kernel when the forward is built (:func:`_linear_op`),
+which do not follow later changes to the model's weights. A model it does not recognise exactly
+(:func:`_supported`) gets ``None`` and keeps transformers' own forward. What each part saves,
+and how products are laid out on a CPU: docs/engine.md, "Batches underneath".
 """
 from __future__ import annotations
 
@@ -64,24 +52,18 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     * ``among`` (optional): ``[rows, width, width]`` bool, which new positions each new position
       attends to, in place of causality among them (a tree of candidates, :mod:`workers.trees`).
 
-    ``capture``: called with the final hidden states of every position ``[rows, width, hidden]``
-    (the LM head's inputs) on each pass, for a feature head (:mod:`workers.features`); with
-    ``capture_layers``, with the inputs of those decoder layers side by side instead
-    ``[rows, width, len(capture_layers) * hidden]`` (a head that fuses layers, EAGLE-3).
+    The builder's options:
 
-    A pass whose new positions are mostly pads (rows drafting blocks of different lengths, idle
-    rows of a pool) runs its products and its LM head over the real positions only
-    (:func:`packed_positions`); attention stays over the padded window.
-
-    ``pack``: score passes of several rows with oneDNN over prepacked copies of the large
-    weights (:func:`_linear_op`); None: where that is float32 on a CPU with oneDNN.
-
-    ``quantized``: a quantized level's products (:class:`workers.quant.Quantizer`), called with
-    each module and its float product.
-
-    ``batch_invariant``: a position's logits do not depend on the pass's width or rows, bit for
-    bit (:func:`invariant_attention`; docs/exactness.md, "Batch invariance"); bfloat16 on a CPU
-    whose oneDNN computes it natively only (:func:`batch_invariance_unsupported`).
+    * ``capture``: called on each pass with the final hidden states of every position ``[rows,
+      width, hidden]`` (the LM head's inputs), for a feature head (:mod:`workers.features`); with
+      ``capture_layers``, the inputs of those decoder layers side by side instead (EAGLE-3):
+      ``[rows, width, len(capture_layers) * hidden]``;
+    * ``pack``: score passes of several rows with oneDNN over prepacked copies of the large
+      weights (:func:`_linear_op`); None: where that is float32 on a CPU with oneDNN;
+    * ``quantized``: a quantized level's products (:class:`workers.quant.Quantizer`), called with
+      each module and its float product;
+    * ``batch_invariant``: a position's logits do not depend on the pass's width or rows, bit for
+      bit (:func:`invariant_attention`; docs/exactness.md, "Batch invariance").
     """
     if batch_invariant and (why := batch_invariance_unsupported(model)):
         raise ValueError(f"batch_invariant: {why}")
@@ -122,18 +104,11 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
     # Grouped-query attention: the kernel reads each key/value head for its group of query heads
     # (the same products as over repeated keys, without materialising the repeated copies).
     gqa = {"enable_gqa": True} if groups > 1 and _sdpa_gqa() else {}
-    # A pass over several positions folds each key/value head's group of query heads into the
-    # query length instead ([rows, kv_heads, groups x width, head_dim] against the unrepeated
-    # keys, the mask repeated per group): the same rows of the same products, and torch's CPU
-    # attention kernel runs it far faster than its grouped-query path. The same products, but not
-    # always rounded alike: in bfloat16 an output may differ by one rounding step on some CPUs —
-    # of the order a pass's width already moves a logit (cascade/DESIGN.md §2), and the same for
-    # the same pass every time. Passes wider than FOLD_MOST_POSITIONS (prefills) keep the grouped
-    # path, where the fold is slower.
-    # One position folds too in bfloat16 on a CPU, where torch's grouped-query kernel over a
-    # single query position is slow on some processors. In float32 both calls cost the same and
-    # the grouped one is kept: float32's record of token-identical greedy output stays on the
-    # same arithmetic. What each costs: docs/engine.md ("Batches underneath") and the results log.
+    # A pass over a few positions (up to FOLD_MOST_POSITIONS; one too where fold_one_position says)
+    # folds each key/value head's group of query heads into the query length ([rows, kv_heads,
+    # groups x width, head_dim] against the unrepeated keys, the mask repeated per group): the same
+    # products, which torch's CPU kernel runs faster than its grouped-query path (docs/engine.md,
+    # "Batches underneath": what each costs, and how in bfloat16 it may round one step apart).
     fold_one = fold_one_position(model.dtype, model.device)
     # Each layer's tensors, fetched once (a module call and its attribute lookups cost more than
     # a small model's matrix product); the ops below are the modules' own, in their order.
@@ -162,9 +137,8 @@ def lean_forward(model, capture: Callable[[torch.Tensor], None] | None = None, p
         # rounding is symmetric), a roll by half a head; [rows, width, 1, head_dim], for queries and keys at once
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]
-        # The products run over the real positions only where pads are many (rows drafting
-        # blocks of different lengths, idle rows of a pool): a pass then costs what its real
-        # positions cost, as the policies price it, not its widest row times the rows.
+        # The products run over the real positions only where pads are many (packed_positions): a
+        # pass then costs what its real positions cost, as the policies price it.
         real = packed_positions(valid, rows, width)
         # one row per position computed through the pass ([positions, hidden]), as the products take them
         hidden = hidden.view(rows * width, -1)
@@ -271,14 +245,12 @@ INVARIANT_BLOCK = 256
 
 def invariant_attention(q, keys, values, mask, scale: float) -> torch.Tensor:
     """Attention whose output for a query row does not depend on the pass's other rows or on how
-    many columns it has past those the row sees. torch's CPU kernel is exact about neither in
-    bfloat16: its rounding moves with the number of key columns, masked ones included, so the
-    same position scored in a wider pass (more columns) came out one step apart. Here the
-    columns go in fixed blocks of :data:`INVARIANT_BLOCK` from column 0 (the last padded and
-    masked), every block through the kernel at one shape, and the blocks' results merged in
-    float32 in column order by their log-sum-exp; a block a row sees nothing of weighs exactly
-    zero, so trailing blocks change nothing. ``q`` ``[rows, heads, n, d]``; ``keys``/``values``
-    ``[rows, heads, columns, d]``; ``mask`` ``[rows, 1, n, columns]`` bool (True = attend)."""
+    many columns it has past those the row sees (torch's CPU kernel's does, in bfloat16:
+    docs/exactness.md, "Batch invariance"): the columns go in fixed blocks of
+    :data:`INVARIANT_BLOCK` from column 0 (the last padded and masked), each through the kernel at
+    one shape, merged in float32 in column order by their log-sum-exp; a block a row sees nothing
+    of weighs exactly zero. ``q`` ``[rows, heads, n, d]``; ``keys``/``values`` ``[rows, heads,
+    columns, d]``; ``mask`` ``[rows, 1, n, columns]`` bool (True = attend)."""
     columns = keys.shape[2]
     blocks = -(-columns // INVARIANT_BLOCK)
     pad = blocks * INVARIANT_BLOCK - columns
@@ -310,12 +282,11 @@ def invariant_columns(mask: torch.Tensor, per_position: bool = False):
     """``(gather, mask)`` for :func:`invariant_attention`: where a row's columns (those any of its
     positions sees) are not the first ones in the cache — a pool's left padding and holes, which
     other rows' lengths decide — an index that gathers each row's keys/values to columns
-    ``0..n-1`` in their order (``[rows, 1, n, 1]``), and the mask over them; else ``(None, mask)``.
-    A position's attention then reads its keys at the same offsets (the same blocks, the same
-    lanes) however its row sits among others; the columns past its own that it does not see are
-    trailing, which the blocks make harmless. ``per_position`` (a tree, whose nodes skip their
-    siblings' columns): each position's own columns, ``[rows, 1, width * n, 1]`` and a mask
-    ``[rows * width, 1, 1, n]``, so that a node reads its keys as its path would as a chain."""
+    ``0..n-1`` in their order (``[rows, 1, n, 1]``), and the mask over them; else ``(None, mask)``:
+    a position reads its keys in the same blocks however its row sits among others.
+    ``per_position`` (a tree, whose nodes skip their siblings' columns): each position's own
+    columns, ``[rows, 1, width * n, 1]`` and a mask ``[rows * width, 1, 1, n]``, so that a node
+    reads its keys as its path would as a chain."""
     if per_position:
         seen = mask[:, 0]  # [rows, width, columns]
         most = int(seen.sum(-1).max())
@@ -388,7 +359,8 @@ def _sdpa_gqa() -> bool:
 
 def fold_one_position(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the lean forward folds a grouped-query pass over one position (see lean_forward):
-    in bfloat16 on a CPU."""
+    in bfloat16 on a CPU, where torch's grouped-query kernel over one position is slow on some
+    processors. In float32 both cost the same, and float32's greedy record stays on the same arithmetic."""
     return dtype == torch.bfloat16 and device.type == "cpu"
 
 

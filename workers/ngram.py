@@ -87,9 +87,8 @@ class NGramWorker(Worker):
     def _stop(proposals: list[list[int]], stop: StopRule) -> list[int]:
         """How much of each proposal the stop rule keeps, column by column across the rows as a
         model drafter's would be (``StopRule.stop_batch``). Each token's probability is 1, so a
-        rule on the drafter's confidence or entropy never fires; a calibrated one (``auto``)
-        reads the measured acceptance of the n-gram level's tokens and ends a block where one
-        more token would not pay — a rejected block of 32 costs the verifier a 33-position pass."""
+        rule on the drafter's confidence or entropy never fires; ``auto``'s reads the measured
+        acceptance of the n-gram level's tokens (docs/policies.md, "auto's stop")."""
         keep = [len(p) for p in proposals]
         last: list[DraftStep | None] = [None] * len(proposals)
         for j in range(max(keep, default=0)):

@@ -1,24 +1,12 @@
 """The KV-cache pool of :class:`~workers.hf.HFWorker`: the sequences a worker scores, as rows
 of one persistent batched cache (a :class:`~workers.kvcache.KVCache`).
 
-What it holds: per layer, preallocated key/value buffers ``[rows, heads, capacity, head_dim]``
-that a forward pass writes into in place (no per-step copy of the cache); a ``[rows, columns]``
-validity mask; and per row the sequence it serves and the columns holding its positions.
-
-A pass appends every row's new tokens at the same new columns (a row with fewer tokens gets
-masked pad columns); a row rolls back by marking its trailing columns invalid; each row's
-position ids count its valid tokens. Attention over masked columns has weight exactly zero, so
-a row's logits are those of the sequence alone. The holes are compacted away (each row's valid
-columns gathered, left-padded) when they make up a quarter of the columns. A sequence joining
-a running batch is prefilled by itself into columns its row does not use (no holes for the
-others); rows left free while the batch drains are dropped.
-
-A tree of candidates (:meth:`Pool.score` with trees) is fed like new tokens, after the row's tail,
-with its nodes' own positions and a tree mask over the new columns; its node columns stay
-valid, pending, until the row's next call settles it: the accepted path's keys/values move to
-the columns right after the tail, the other nodes' columns turn invalid, and ``used`` shrinks
-back past columns no row holds any more. (Trees of one size leave no holes; a row whose tree is
-smaller than another's leaves some, compacted like any others.)
+Per layer, preallocated key/value buffers ``[rows, heads, capacity, head_dim]`` written in place;
+a ``[rows, columns]`` validity mask; per row, the sequence it serves and the columns holding its
+positions. A pass appends every row's new tokens at the same new columns (a shorter row gets
+masked pads); a row rolls back by marking its columns invalid (attention over them weighs exactly
+zero: a row's logits are its sequence's alone). Compacting holes, prefilling a joining sequence,
+settling a pending tree: docs/engine.md, "Batches underneath" and "Trees".
 """
 from __future__ import annotations
 
@@ -36,8 +24,9 @@ class Pool(KVCache):
     """The worker's sequences as rows of one batched KV cache (see the module docstring).
 
     Per row: the cache columns holding its positions' keys/values, in order (``cols``, one a
-    position); ``valid[r, c]`` says whether column ``c`` of row ``r`` holds one of them. Columns ``[0, used)`` are in use; the buffers have room for ``capacity``. A released
-    sequence frees its row for the next one to join.
+    position); ``valid[r, c]`` says whether column ``c`` of row ``r`` holds one of them. Columns
+    ``[0, used)`` are in use; the buffers have room for ``capacity``. A released sequence frees
+    its row for the next one to join.
     """
 
     def __init__(self, model: Any, device: torch.device, context_length: int | None, forward: Forward):

@@ -1,27 +1,13 @@
 """A level that multiplies from quantized weights: 4-bit codes in groups of 32, as a GGUF ships them.
 
-A one-row decode step reads every weight once, so its cost follows the bytes read; 4-bit groups
-are about a quarter of bf16's. torch's CPU weight-only kernel ``_weight_int4pack_mm_for_cpu``
-(what torchao drives; :mod:`workers.kernels.int4`) multiplies bf16 rows by such groups: each
-weight is ``(code - 8) * scale + zero`` over its group of 32 inputs, and every GGUF format read
-here maps onto that exactly:
-
-* Q4_1 (``w = d * q + m``): code ``q``, scale ``d``, zero ``m + 8 d``;
-* Q4_0 (``w = d * (q - 8)``): code ``q``, scale ``d``, zero 0;
-* Q8_0 (``w = d * q``, ``q`` a signed byte): two 4-bit halves of ``q + 128``, multiplied as one
-  weight twice as wide over the input given twice — the high half with scale ``16 d`` and zero
-  ``8 d``, the low half with scale ``d`` and zero 0 (their sum is ``d * q``).
-
-``quantize: int4`` makes such groups from any model's float weights instead (each group's range
-in 16 steps: an approximation of that model, not the model). The kernel takes its scales and
-zeros in bfloat16 (the GGUF's are float16, so they are rounded once more) and accumulates in
-float32: the level computes the GGUF's weights to about bf16's rounding (docs/quantized.md).
-
-The kernel's cost grows with the rows of a pass, where a bf16 product's barely does, so each
-product runs the kernel up to a number of rows measured when the level loads (the widest pass
-at which the kernel beat the float products, ``CASCADE_QUANT_MOST_ROWS`` to fix it) and the
-level's own float product (workers/lean.py) above it. Where the kernel is missing, does not
-match its reference, or the level is not bfloat16, every product stays float, with a warning.
+torch's CPU weight-only kernel (:mod:`workers.kernels.int4`) multiplies bf16 rows by groups whose
+weights are ``(code - 8) * scale + zero``: Q4_0, Q4_1 and Q8_0 map onto that exactly
+(:func:`parse_blocks`), and ``quantize: int4`` makes such groups from any model's float weights
+(an approximation of that model). Each product runs the kernel up to a number of rows measured
+when the level loads (:meth:`Quantizer.measure`; ``CASCADE_QUANT_MOST_ROWS`` fixes it) and its
+float product (workers/lean.py) above; where the kernel is missing or wrong, or the level is not
+bfloat16 on a CPU, every product stays float, with a warning. Formats, exactness and costs:
+docs/quantized.md.
 """
 from __future__ import annotations
 

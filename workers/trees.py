@@ -1,19 +1,12 @@
 """Trees of candidate tokens, as the workers see them: scoring all nodes in one pass, and what a
-cache keeps of a scored tree afterwards.
+cache keeps of a scored tree afterwards (docs/engine.md, "Scoring a tree of candidates").
 
-A tree is ``(tokens, parents)``, checked and measured as :mod:`cascade.tree` says (one check,
-one depth convention: a child of the root has depth 1); a node at depth ``d`` stands at position
-``len(prefix) + d - 1``, the position it would have on its root-to-node path as a chain
-(:func:`positions`).
-
-One pass scores a tree by feeding its nodes as new positions after the uncached tail of the
-prefix, with per-node position ids and an attention mask in which a node sees the prefix, its
-ancestors and itself, nothing else (:func:`ancestry`, the one builder of that mask;
-:func:`window_mask` places it among a pass's positions). Its logits at a node are those of its
-root-to-node path as a chain. The cache then holds the prefix and every node; the next call, which hands the whole
-new sequence as always, *settles* the tree: the longest root-to-node path matching the new
-sequence stays (its keys/values moved to the columns right after the prefix, where a chain
-would have put them), every other node goes (:func:`accepted_path`).
+A tree is ``(tokens, parents)``, checked and measured as :mod:`cascade.tree` says (a child of the
+root has depth 1); a node at depth ``d`` stands at position ``len(prefix) + d - 1``, as on its
+root-to-node path as a chain (:func:`positions`), and sees the prefix, its ancestors and itself
+(:func:`ancestry`, the one builder of that mask). The next call settles a scored tree: the
+longest root-to-node path its sequence continues stays, moved where a chain would have put it;
+every other node goes (:func:`accepted_path`).
 """
 from __future__ import annotations
 
@@ -37,7 +30,6 @@ def as_tree(tree) -> Tree:
 def positions(parents: Sequence[int]) -> list[int]:
     """Each node's position counted from the first after the prefix: its depth - 1."""
     return [d - 1 for d in cascade_tree.depths(parents)]
-
 
 
 def ancestry(parents: Sequence[int]) -> torch.Tensor:
