@@ -246,7 +246,7 @@ class HFWorker(Worker):
 
     def _stores(self) -> list:
         """What keeps per-sequence state: the caches, and the features kept for a head."""
-        return [s for s in (self._caches, self._pool or None, self._features) if s is not None]  # _pool: False too
+        return [s for s in (self._caches, self._pool, self._features) if s is not None]
 
     def hold(self, seq_ids: Sequence[str], held: Sequence[int]) -> None:
         for store in self._stores():
