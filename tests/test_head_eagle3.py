@@ -61,7 +61,7 @@ def test_kept_fused_features_follow_the_cache(models, lean, cache):
     assert (worker.lean is not None) == lean
     worker.keep_features(LAYERS)
     if cache == "per-sequence":
-        worker._pool = False
+        worker._pool = None  # no pool: every sequence in its own cache
     ids = ["a", "b"] if cache != "solo" else ["a"]
     seqs = [[5, 17, 30, 2, 99, 41], [7, 8, 9, 10, 11, 12, 13, 14, 15]][:len(ids)]
 

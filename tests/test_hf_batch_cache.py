@@ -155,7 +155,7 @@ def test_pool_equals_per_sequence_caches(model):
     """The pool and the per-sequence fallback give the same logits."""
     pooled = HFWorker(model)
     legacy = HFWorker(model)
-    legacy._pool = False
+    legacy._pool = None  # no pool: every sequence in its own cache
     rng = random.Random(3)
     vocab = pooled.vocab_size
     seqs = [[rng.randrange(vocab) for _ in range(n)] for n in (4, 9, 6)]

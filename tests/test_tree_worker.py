@@ -127,7 +127,7 @@ def same_cache(a, b, ids):
 def worker_for(model, path: str, lean: bool = True) -> HFWorker:
     worker = HFWorker(model, lean=lean)
     if path == "per-sequence":
-        worker._pool = False
+        worker._pool = None  # no pool: every sequence in its own cache
     return worker
 
 
