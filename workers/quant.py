@@ -20,7 +20,7 @@ import torch
 
 # the kernel's weight format, product, check and measurement (imported back for this module's callers)
 from workers.kernels.int4 import (  # noqa: F401
-    GROUP, ROW_STEPS, Groups, Product, QuantProduct, groups_from_float, kernel_works, most_rows)
+    GROUP, Groups, Product, QuantProduct, groups_from_float, kernel_works, most_rows)
 from workers.kernels.products import side_by_side
 
 log = logging.getLogger(__name__)
