@@ -34,7 +34,9 @@ def add_parser(sub) -> None:
     p.add_argument("--answer-tokens", type=int, default=256, help="longest answer recorded")
     p.add_argument("--user-tokens", type=int, default=64, help="longest user turn recorded")
     p.add_argument("--corpus", default="manifest:examples/models/CORPUS.tsv", help="code snippets for questions")
-    p.add_argument("--dtype", default="fastest", choices=("fastest", "float32", "bfloat16"))
+    p.add_argument("--dtype", default="measured", choices=("measured", "fastest", "float32", "bfloat16"),
+                   help="the recording authority's dtype, as `cascade record --dtype` (measured: on a CPU the faster "
+                        "of float32 and bfloat16 at each pass's width; off the CPU as fastest)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.set_defaults(func=_run)
 
