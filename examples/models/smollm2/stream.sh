@@ -63,11 +63,16 @@ esac
 
 while true; do
   kept=$(find "$HERE/records" -name 'shard-*.npz' 2>/dev/null | wc -l)
-  sequences=$(( (kept + ROUND_SEQUENCES / BATCH) * BATCH ))
-  echo "$(date -u +%FT%TZ) round: $kept shards kept; recording to $sequences sequences"
-  cascade record --model pulled:smollm2-135m-instruct --out "$WORK/record" --keep "$HERE/records" \
-    --sequences "$sequences" --batch "$BATCH" --threads "$THREADS"
   round=$(find "$WORK/stream" -maxdepth 1 -name 'head-*' | wc -l)
+  if [[ -f "$WORK/stream/train-$((round + 1))/checkpoint.pt" ]]; then
+    # a training round was stopped: finish it on the records it began with before recording more
+    echo "$(date -u +%FT%TZ) round: resuming head-$((round + 1))'s training"
+  else
+    sequences=$(( (kept + ROUND_SEQUENCES / BATCH) * BATCH ))
+    echo "$(date -u +%FT%TZ) round: $kept shards kept; recording to $sequences sequences"
+    cascade record --model pulled:smollm2-135m-instruct --out "$WORK/record" --keep "$HERE/records" \
+      --sequences "$sequences" --batch "$BATCH" --threads "$THREADS"
+  fi
   from=$(find "$WORK/stream" -maxdepth 1 -name 'head-*' | sort -V | tail -n 1)
   from=${from:-$HERE/head}
   tokens=$(python -c "import json,sys; print(sum(s['tokens'] for s in json.load(open(sys.argv[1]))['shards'].values()))" "$WORK/record/record.json")
