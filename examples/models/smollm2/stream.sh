@@ -32,6 +32,7 @@ ROUND_SEQUENCES=${ROUND_SEQUENCES:-640}
 MINUTES=${MINUTES:-30}
 PASSES=${PASSES:-4}
 LR=${LR:-3e-4}
+TTT=${TTT:-1}  # 2: EAGLE-3's training-time test over 2 draft steps (1.8x the CPU a step; the model card's Ablations)
 TRAIN_AT=${TRAIN_AT:-1000000}
 THREADS=${THREADS:-1}
 mkdir -p "$WORK/stream" "$HERE/records"
@@ -85,7 +86,8 @@ while true; do
   cascade distill --head --init "$from" --records "$WORK/record" --teacher pulled:smollm2-135m-instruct \
     --out "$WORK/stream/head-$((round + 1))" --steps "$steps" --max-minutes "$MINUTES" --seq-len 256 \
     --batch-size 8 --lr "$LR" --warmup 20 --amp auto --threads "$THREADS" --device cpu \
-    --save-dtype bfloat16 --work-dir "$WORK/stream/train-$((round + 1))" --checkpoint-minutes 5 --no-progress
+    --save-dtype bfloat16 --work-dir "$WORK/stream/train-$((round + 1))" --checkpoint-minutes 5 --no-progress \
+    --ttt-steps "$TTT"
   python "$HERE/eval_heldout.py" --head --fixed "$WORK/stream/head-$((round + 1))" \
     | tee "$WORK/stream/head-$((round + 1))/heldout.txt"
 done
