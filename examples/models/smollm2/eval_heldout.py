@@ -84,7 +84,7 @@ def fused_heldout(records: Path, model, authority: str, head, every: int):
     return load_head_data(records, out, held_out=True, held_out_every=every, layers=layers)
 
 
-def heads(folders: list[str], records: Path, authority: str, every: int = 20, temperatures=(0.0,)) -> None:
+def heads(folders: list[str], records: Path, authority: str, every: int = 20, temperatures=(0.0,), seed: int = 0) -> None:
     from transformers import AutoModelForCausalLM
     from cascade.pull import PULLED, resolve_pulled
     from cascade.train.corpus import load_tokenizer
@@ -107,7 +107,8 @@ def heads(folders: list[str], records: Path, authority: str, every: int = 20, te
         data = held if not head.config.fuse_layers else fused_heldout(records, model, authority, head, every)
         print(folder, rounded(evaluate_head(head, objective, HeadSampler(data, 256, 8))), flush=True)
         for t in temperatures:
-            drafting = draft_acceptance(head, objective, model, data, starts=256, answers=answers, temperature=t)
+            drafting = draft_acceptance(head, objective, model, data, starts=256, answers=answers, temperature=t,
+                                        seed=seed)
             print(folder, f"drafting in the answers, T = {t}", json.dumps(rounded(drafting)), flush=True)
 
 
@@ -118,13 +119,14 @@ def main() -> None:
     ap.add_argument("--records", type=Path, default=WORK / "record", help="what cascade record wrote")
     ap.add_argument("--authority", default="pulled:smollm2-135m-instruct")
     ap.add_argument("--fixed", action="store_true", help="score on the repository's held-out set (heldout/)")
+    ap.add_argument("--seed", type=int, default=0, help="which 256 starts (and, at T = 0.8, which draws)")
     args = ap.parse_args()
     if args.fixed:
         records = fixed_heldout(WORK / "heldout", args.authority)
-        heads(args.folders, records, args.authority, every=1, temperatures=(0.0, 0.8)) if args.head else \
+        heads(args.folders, records, args.authority, every=1, temperatures=(0.0, 0.8), seed=args.seed) if args.head else \
             print("--fixed scores heads (--head)")
     elif args.head:
-        heads(args.folders, args.records, args.authority)
+        heads(args.folders, args.records, args.authority, seed=args.seed)
     else:
         drafters(args.folders, args.records)
 
