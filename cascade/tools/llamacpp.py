@@ -75,9 +75,11 @@ def gguf_of(topo) -> tuple[Path | None, str]:
     return path, ""
 
 
-def baseline(topo, threads: int | None, context: int = 4096) -> tuple["LlamaCppBaseline | None", str]:
+def baseline(topo, threads: int | None, context: int = 4096,
+             logits_all: bool = False) -> tuple["LlamaCppBaseline | None", str]:
     """The llama.cpp baseline of ``topo``'s authority on ``threads`` threads (None: one), or None and a
-    one-line note saying why it is skipped."""
+    one-line note saying why it is skipped. ``logits_all``: every position's logits, as a verifier
+    would read them (decoding reads the last)."""
     module = binding()
     if module is None:
         return None, f"{NAME}: skipped: llama-cpp-python is not installed (pip install 'cascade[llama]')"
@@ -85,7 +87,7 @@ def baseline(topo, threads: int | None, context: int = 4096) -> tuple["LlamaCppB
     if path is None:
         return None, f"{NAME}: skipped: {why}"
     try:
-        return LlamaCppBaseline(module, path, threads or 1, context), ""
+        return LlamaCppBaseline(module, path, threads or 1, context, logits_all), ""
     except (ValueError, RuntimeError) as exc:  # what llama-cpp-python raises on a file it cannot load
         return None, f"{NAME}: skipped: llama.cpp cannot load {path}: {exc}"
 
@@ -93,13 +95,13 @@ def baseline(topo, threads: int | None, context: int = 4096) -> tuple["LlamaCppB
 class LlamaCppBaseline:
     """One llama.cpp model over a GGUF, decoding one sequence at a time from token ids."""
 
-    def __init__(self, module, gguf: Path, threads: int, context: int = 4096):
+    def __init__(self, module, gguf: Path, threads: int, context: int = 4096, logits_all: bool = False):
         self.lib = module.llama_cpp  # the C API, as llama.h spells it
         self.version = getattr(module, "__version__", "?")
         self.gguf, self.threads = Path(gguf), threads
-        # logits of the last position only (llama.cpp's default); the context holds prompt + new tokens
+        # logits of the last position only unless asked (llama.cpp's default); the context holds prompt + new tokens
         self.llm = module.Llama(model_path=str(gguf), n_ctx=context, n_batch=512, n_threads=threads,
-                                n_threads_batch=threads, verbose=False)
+                                n_threads_batch=threads, logits_all=logits_all, verbose=False)
 
     def describe(self, sampling) -> str:
         """One line for a report: the program, the file, the threads and the sampler chain."""

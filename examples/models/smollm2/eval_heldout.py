@@ -84,7 +84,8 @@ def fused_heldout(records: Path, model, authority: str, head, every: int):
     return load_head_data(records, out, held_out=True, held_out_every=every, layers=layers)
 
 
-def heads(folders: list[str], records: Path, authority: str, every: int = 20, temperatures=(0.0,), seed: int = 0) -> None:
+def heads(folders: list[str], records: Path, authority: str, every: int = 20, temperatures=(0.0,),
+          seed: int = 0) -> None:
     from transformers import AutoModelForCausalLM
     from cascade.pull import PULLED, resolve_pulled
     from cascade.train.corpus import load_tokenizer
@@ -123,8 +124,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.fixed:
         records = fixed_heldout(WORK / "heldout", args.authority)
-        heads(args.folders, records, args.authority, every=1, temperatures=(0.0, 0.8), seed=args.seed) if args.head else \
+        if not args.head:
             print("--fixed scores heads (--head)")
+            return
+        heads(args.folders, records, args.authority, every=1, temperatures=(0.0, 0.8), seed=args.seed)
     elif args.head:
         heads(args.folders, args.records, args.authority, seed=args.seed)
     else:

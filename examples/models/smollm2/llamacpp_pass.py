@@ -14,10 +14,7 @@ R = int(sys.argv[1]) if len(sys.argv) > 1 else 30
 WIDTHS = [int(w) for w in sys.argv[2:]] or [1]
 cs = {t: Cascade.from_topology(f"topologies/{t}.yaml") for t in ("smollm2", "smollm2-q4")}
 workers = {t: c.workers[c.topology.authority] for t, c in cs.items()}
-base, note = llamacpp.baseline(cs["smollm2"].topology, 1)
-if max(WIDTHS) > 1:  # a verification reads every position's logits, which llama.cpp computes on request
-    base.llm = type(base.llm)(model_path=base.llm.model_path, n_ctx=base.llm.n_ctx(), n_batch=512, n_threads=1,
-                              n_threads_batch=1, logits_all=True, verbose=False)
+base, note = llamacpp.baseline(cs["smollm2"].topology, 1, logits_all=max(WIDTHS) > 1)  # a verification reads all
 rng = random.Random(0)
 vocab = 49152  # SmolLM2-135M's vocabulary
 prefix = [rng.randrange(vocab) for _ in range(200)]

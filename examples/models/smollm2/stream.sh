@@ -32,7 +32,7 @@ ROUND_SEQUENCES=${ROUND_SEQUENCES:-640}
 MINUTES=${MINUTES:-30}
 PASSES=${PASSES:-4}
 LR=${LR:-3e-4}
-TTT=${TTT:-1}  # 2: EAGLE-3's training-time test over 2 draft steps (1.8x the CPU a step; the model card's Ablations)
+TTT=${TTT:-1}  # 2: EAGLE-3's training-time test over 2 draft steps (dearer a step: the model card's Ablations)
 TRAIN_AT=${TRAIN_AT:-1000000}
 THREADS=${THREADS:-1}
 mkdir -p "$WORK/stream" "$HERE/records"
