@@ -138,6 +138,23 @@ def test_record_loss_is_the_kl_on_the_recorded_partition():
     assert torch.isnan(record_loss(rest_moved, batch)[0])  # no rows: nothing to average (never sampled)
 
 
+def test_first_records_only_the_later_shards_and_they_are_the_same(recorded, tmp_path):
+    """--first: a second recorder takes the shards from an index on, and writes what one recorder
+    would have written there (a shard is a function of its index), so two can extend one --keep."""
+    root, authority, tok = recorded
+    common = ["record", "--model", str(authority), "--sequences", "24", "--batch", "4", "--user-tokens", "8",
+              "--answer-tokens", "24", "--top-k", "8", "--dtype", "float32", "--corpus", str(root / "code"),
+              "--code-share", "0.5", "--out", str(tmp_path / "late"), "--keep", str(tmp_path / "kept")]
+    assert main(common + ["--first", "4"]) == 0
+    assert sorted(p.name for p in (tmp_path / "late").glob("shard-*.pt")) == ["shard-00004.pt", "shard-00005.pt"]
+    assert sorted(p.name for p in (tmp_path / "kept").glob("shard-*")) == ["shard-00004.npz", "shard-00005.npz"]
+    for name in ("shard-00004.pt", "shard-00005.pt"):
+        a, b = (torch.load(d / name, weights_only=False) for d in (root / "rec", tmp_path / "late"))
+        assert torch.equal(a["tokens"], b["tokens"]) and a["kinds"] == b["kinds"]
+    with pytest.raises(SystemExit, match="--first"):
+        main(common + ["--first", "-1"])
+
+
 def test_kept_ids_are_scored_not_generated_again(recorded, tmp_path):
     """--keep: each shard's token ids, compressed; a shard found there is only scored, so a
     recording carried in a repository is rebuilt on a machine whose cache is gone."""

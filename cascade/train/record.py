@@ -21,7 +21,9 @@ only the missing ones, and a finished one can be extended with a larger ``--sequ
 
 ``--keep DIR`` also writes each shard's token ids alone, compressed (``shard-NNNNN.npz``, ~1 byte
 a token): small enough to keep in a repository. A shard found there is not generated again, only
-scored (one pass), so recordings accumulate across machines whose caches do not last.
+scored (one pass), so recordings accumulate across machines whose caches do not last. ``--first N``
+records shards ``N`` on only, so that two recorders (two cores, two machines) extend one ``--keep``
+folder side by side: the shards are numbered, and each is a pure function of its index.
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ def add_parser(sub) -> None:
     p.add_argument("--keep", help="also write each shard's token ids, compressed, to this folder, and take "
                                   "the shards found there instead of generating them")
     p.add_argument("--sequences", type=int, default=4096, help="total sequences to have recorded")
+    p.add_argument("--first", type=int, default=0,
+                   help="the first shard this run records: the ones before it are another recorder's (another "
+                        "core's or machine's, writing the same --keep folder), whose shards a later run scores")
     p.add_argument("--batch", type=int, default=48,
                    help="sequences per shard, all generated together (continuous batching)")
     p.add_argument("--group", type=int, default=3,
@@ -81,6 +86,8 @@ def _run(args) -> int:
 
     if args.group < 1 or args.batch < 1:
         raise SystemExit(f"cascade record: --group and --batch must be at least 1 (got {args.group}, {args.batch})")
+    if args.first < 0:
+        raise SystemExit(f"cascade record: --first must be at least 0 (got {args.first})")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -103,7 +110,7 @@ def _run(args) -> int:
         "user_tokens": args.user_tokens, "answer_tokens": args.answer_tokens,
         "temperatures": TEMPERATURES, "torch": torch.__version__, "shards": {}}
     shards = -(-args.sequences // args.batch)
-    missing = [i for i in range(shards) if not (out / f"shard-{i:05d}.pt").is_file()]
+    missing = [i for i in range(args.first, shards) if not (out / f"shard-{i:05d}.pt").is_file()]
     kept = {i: keep / f"shard-{i:05d}.npz" for i in missing if keep is not None}
     kept = {i: path for i, path in kept.items() if path.is_file()}
     for index, path in kept.items():
