@@ -126,6 +126,29 @@ def test_a_head_continues_from_its_checkpoint(trained, tmp_path):
     assert main(args + ["--init", str(root / "head"), "--draft-vocab", "64"]) == 2  # the vocabulary goes with it
 
 
+def test_a_head_continues_on_token_ids_alone(trained, tmp_path):
+    """--top-k 0 records (no scoring pass: what the training stream keeps) are enough for a head
+    continued with --init: it computes its own targets from the authority's features. A drafter,
+    or a draft vocabulary chosen from them, needs the top-k, and says so."""
+    root, authority, _ = trained
+    rec = ["record", "--model", str(authority), "--sequences", "12", "--batch", "4", "--user-tokens", "8",
+           "--answer-tokens", "24", "--dtype", "float32", "--corpus", str(root / "code"), "--code-share", "0.5"]
+    assert main(rec + ["--out", str(tmp_path / "ids"), "--top-k", "0"]) == 0
+    shard = torch.load(tmp_path / "ids" / "shard-00001.pt", weights_only=False)
+    assert "topk_ids" not in shard
+    assert torch.equal(shard["tokens"], torch.load(root / "rec" / "shard-00001.pt", weights_only=False)["tokens"])
+    with pytest.raises(SystemExit, match="top-8, not the top-0"):  # one folder, one kind of shard
+        main(rec + ["--out", str(root / "rec"), "--top-k", "0"])
+    args = [a for a in distill_args(root, tmp_path / "more", tmp_path / "work", "--eval-drafts", "0")
+            if a not in ("--draft-vocab", "64")]
+    args[args.index("--records") + 1] = str(tmp_path / "ids")
+    assert main(args + ["--init", str(root / "head"), "--steps", "10"]) == 0
+    assert json.loads((tmp_path / "more" / "training.json").read_text())["steps"] == 10
+    args[args.index("--out") + 1] = str(tmp_path / "fresh")
+    with pytest.raises(SystemExit, match="token ids alone"):
+        main(args + ["--draft-vocab", "64"])
+
+
 def first_held_out(trained):
     """The trained head, its authority and objective, and the first held-out conversation's
     tokens and features."""

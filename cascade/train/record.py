@@ -13,11 +13,13 @@ or over ``--topology`` (a hierarchy whose drafters speed it up). ``--batch`` con
 flight across shards: ``--group`` shards are open at once, and a conversation that ends gives its
 place to the next, so the batch does not drain at each shard's end (:func:`generate_shards`).
 Then one pass over each finished conversation records the top-k of the authority's next-token
-log-probabilities at temperature 1 at every position. Generation and scoring each run in the
-dtype whose products are faster here at that pass's width (``--dtype measured``, timed at
-start). Shards (``shard-NNNNN.pt``, ``--batch`` conversations each, a pure function of (seed,
-index, batch) whatever the grouping, for one dtype) are resumable: an interrupted run generates
-only the missing ones, and a finished one can be extended with a larger ``--sequences``.
+log-probabilities at temperature 1 at every position: what a drafter is distilled on (``--top-k 0``
+skips the pass: a feature head computes its own targets from the authority's features).
+Generation and scoring each run in the dtype whose products are faster here at that pass's width
+(``--dtype measured``, timed at start). Shards (``shard-NNNNN.pt``, ``--batch`` conversations
+each, a pure function of (seed, index, batch) whatever the grouping, for one dtype) are
+resumable: an interrupted run generates only the missing ones, and a finished one can be
+extended with a larger ``--sequences``.
 
 ``--keep DIR`` also writes each shard's token ids alone, compressed (``shard-NNNNN.npz``, ~1 byte
 a token): small enough to keep in a repository. A shard found there is not generated again, only
@@ -69,7 +71,9 @@ def add_parser(sub) -> None:
                    help="where code snippets come from (a corpus spec of cascade distill)")
     p.add_argument("--user-tokens", type=int, default=64, help="longest user turn the authority writes")
     p.add_argument("--answer-tokens", type=int, default=256, help="longest answer")
-    p.add_argument("--top-k", type=int, default=16, help="log-probabilities kept per position")
+    p.add_argument("--top-k", type=int, default=16,
+                   help="log-probabilities kept per position; 0: none, the token ids alone, with no scoring pass "
+                        "(what a feature head trains on: it computes its own targets; a drafter needs them)")
     p.add_argument("--dtype", default="measured", choices=("measured", "fastest", "float32", "bfloat16"),
                    help="the authority's dtype. measured (on a CPU): for generating and for scoring each, the faster "
                         "of float32 and bfloat16 for the model's products at that pass's width (--batch rows; a "
@@ -86,8 +90,8 @@ def _run(args) -> int:
 
     if args.group < 1 or args.batch < 1:
         raise SystemExit(f"cascade record: --group and --batch must be at least 1 (got {args.group}, {args.batch})")
-    if args.first < 0:
-        raise SystemExit(f"cascade record: --first must be at least 0 (got {args.first})")
+    if args.first < 0 or args.top_k < 0:
+        raise SystemExit(f"cascade record: --first and --top-k must be at least 0 (got {args.first}, {args.top_k})")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -97,10 +101,11 @@ def _run(args) -> int:
     model, tok = _load(args.model, "float32" if args.dtype == "measured" else args.dtype, _device(args.device))
     generate_dtype, score_dtype = (args.dtype, args.dtype) if args.dtype != "measured" else (
         "" if args.topology else measured_dtype(model, args.batch, pack=True),
-        measured_dtype(model, SCORE_ROWS, pack=False))
+        measured_dtype(model, SCORE_ROWS, pack=False) if args.top_k else "")
     model = model.to(_resolved(score_dtype, model))
     generated_in = "the topology's dtypes" if args.topology else _name(generate_dtype, model)
-    print(f"cascade record: generating in {generated_in}, scoring in {_name(score_dtype, model)}"
+    scoring = f"scoring in {_name(score_dtype, model)}" if args.top_k else "no scoring (--top-k 0)"
+    print(f"cascade record: generating in {generated_in}, {scoring}"
           + (" (measured)" if args.dtype == "measured" else ""), flush=True)
     snippets = _snippets(args.corpus, args.seed) if args.code_share > 0 else []
     meta_path = out / "record.json"
@@ -109,6 +114,9 @@ def _run(args) -> int:
         "batch": args.batch, "code_share": args.code_share, "corpus": args.corpus, "seed": args.seed,
         "user_tokens": args.user_tokens, "answer_tokens": args.answer_tokens,
         "temperatures": TEMPERATURES, "torch": torch.__version__, "shards": {}}
+    if meta["top_k"] != args.top_k:
+        raise SystemExit(f"cascade record: {out}'s shards hold the top-{meta['top_k']}, not the top-{args.top_k}: "
+                         f"give --top-k {meta['top_k']}, or another --out (with --keep, kept shards are only scored)")
     shards = -(-args.sequences // args.batch)
     missing = [i for i in range(args.first, shards) if not (out / f"shard-{i:05d}.pt").is_file()]
     kept = {i: keep / f"shard-{i:05d}.npz" for i in missing if keep is not None}
@@ -142,14 +150,15 @@ def _write(out: Path, meta: dict, index: int, ids: dict, model, args, how: str, 
     import torch
 
     path = out / f"shard-{index:05d}.pt"
-    shard = {**ids, **score(model, ids["tokens"], ids["lengths"], args.top_k)}
+    shard = {**ids, **(score(model, ids["tokens"], ids["lengths"], args.top_k) if args.top_k else {})}
     torch.save(shard, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").rename(path)
     took = time.perf_counter() - started
     tokens = int(shard["lengths"].sum())
     meta["shards"][path.name] = {"tokens": tokens, "seconds": round(took, 1), "how": how.split()[0],
                                  "generate_seconds": round(generated - started, 1),
-                                 "temperature": shard["temperature"], "score_dtype": _name("", model),
+                                 "temperature": shard["temperature"],
+                                 **({"score_dtype": _name("", model)} if args.top_k else {}),
                                  **({"dtype": dtype} if dtype else {})}
     (out / "record.json").write_text(json.dumps(meta, indent=1) + "\n")
     total = sum(s["tokens"] for s in meta["shards"].values())

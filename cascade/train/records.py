@@ -45,6 +45,10 @@ def load_records(folder: str | Path, held_out: bool, held_out_every: int = 20) -
     tokens, ids, logp = [], [], []
     for path in chosen:
         shard = torch.load(path, weights_only=False)
+        if "topk_ids" not in shard:
+            raise SystemExit(f"cascade distill: {path} holds token ids alone (recorded with --top-k 0): a drafter, "
+                             "and a draft vocabulary chosen from records, need the top-k; cascade record --keep KEPT "
+                             "--out OTHER scores kept ids (one pass a shard)")
         start = 0
         rows = 0
         k = shard["topk_ids"].shape[1]

@@ -10,14 +10,16 @@
 #
 # What lasts is in the repository: records/ (every recorded shard's token ids, compressed, written
 # by `cascade record --keep`), heldout/ (the fixed held-out set), head/ (the committed head). A
-# machine whose cache is gone rebuilds the records from records/ (one scoring pass each, no
-# generation) and goes on. What is recomputed lives in $SMOLLM2_WORK (default
-# ~/.cache/cascade/work/smollm2): the full shards (top-k), the features, checkpoints, and
+# machine whose cache is gone rebuilds the records from records/ (no generation; a scoring pass
+# each only with TOP_K > 0) and goes on. What is recomputed lives in $SMOLLM2_WORK (default
+# ~/.cache/cascade/work/smollm2): the shards, the features, checkpoints, and
 # stream/head-N, each round's head with its held-out figures (heldout.txt). Commit the best
 # one into head/ with its figures in the model card (README.md here).
 #
 # Each round records ROUND_SEQUENCES more conversations (BATCH at a time, continuous batching:
-# docs/real-model.md says which BATCH was fastest where), then trains the head from the previous
+# docs/real-model.md says which BATCH was fastest where; RECORDERS processes side by side, one a
+# core, each its share of the round's shards: `cascade record --first`), as token ids alone
+# (TOP_K=0: the head computes its own targets, so no scoring pass; a drafter needs TOP_K=16), then trains the head from the previous
 # round's head (the committed one first) over all records, PASSES times over them at most and for
 # MINUTES at most, at learning rate LR. Rounds record only until the records hold TRAIN_AT tokens:
 # continuing head/ (trained on ~2M tokens) on the first 28k-134k recorded tokens did not beat it
@@ -35,6 +37,9 @@ LR=${LR:-3e-4}
 TTT=${TTT:-1}  # 2: EAGLE-3's training-time test over 2 draft steps (dearer a step: the model card's Ablations)
 TRAIN_AT=${TRAIN_AT:-1000000}
 THREADS=${THREADS:-1}
+RECORDERS=${RECORDERS:-1}
+TOP_K=${TOP_K:-0}
+REC=$WORK/record-top$TOP_K
 mkdir -p "$WORK/stream" "$HERE/records"
 
 running() { pgrep -f -- "stream.sh run $WORK" >/dev/null; }
@@ -69,21 +74,29 @@ while true; do
     # a training round was stopped: finish it on the records it began with before recording more
     echo "$(date -u +%FT%TZ) round: resuming head-$((round + 1))'s training"
   else
-    sequences=$(( (kept + ROUND_SEQUENCES / BATCH) * BATCH ))
-    echo "$(date -u +%FT%TZ) round: $kept shards kept; recording to $sequences sequences"
-    cascade record --model pulled:smollm2-135m-instruct --out "$WORK/record" --keep "$HERE/records" \
-      --sequences "$sequences" --batch "$BATCH" --threads "$THREADS"
+    share=$(( (ROUND_SEQUENCES / BATCH + RECORDERS - 1) / RECORDERS ))  # shards a recorder
+    echo "$(date -u +%FT%TZ) round: $kept shards kept; recording to shard $(( kept + RECORDERS * share )), $RECORDERS at once"
+    record() {
+      cascade record --model pulled:smollm2-135m-instruct --keep "$HERE/records" --batch "$BATCH" \
+        --threads "$THREADS" --top-k "$TOP_K" "$@"
+    }
+    for (( r = 1; r < RECORDERS; r++ )); do  # the others, each into a folder of its own
+      record --out "$REC-$r" --first $(( kept + r * share )) --sequences $(( (kept + (r + 1) * share) * BATCH )) &
+    done
+    record --out "$REC" --sequences $(( (kept + share) * BATCH ))
+    wait
+    record --out "$REC" --sequences $(( (kept + RECORDERS * share) * BATCH ))  # takes the others' shards
   fi
   from=$(find "$WORK/stream" -maxdepth 1 -name 'head-*' | sort -V | tail -n 1)
   from=${from:-$HERE/head}
-  tokens=$(python -c "import json,sys; print(sum(s['tokens'] for s in json.load(open(sys.argv[1]))['shards'].values()))" "$WORK/record/record.json")
+  tokens=$(python -c "import json,sys; print(sum(s['tokens'] for s in json.load(open(sys.argv[1]))['shards'].values()))" "$REC/record.json")
   if (( tokens < TRAIN_AT )); then
     echo "$(date -u +%FT%TZ) $tokens tokens recorded; training waits for $TRAIN_AT (TRAIN_AT)"
     continue
   fi
   steps=$(( tokens * PASSES / 2048 > 50 ? tokens * PASSES / 2048 : 50 ))  # PASSES over the data, 8 x 256 a step
   echo "$(date -u +%FT%TZ) training head-$((round + 1)) from $from: $steps steps over $tokens tokens, at most $MINUTES minutes"
-  cascade distill --head --init "$from" --records "$WORK/record" --teacher pulled:smollm2-135m-instruct \
+  cascade distill --head --init "$from" --records "$REC" --teacher pulled:smollm2-135m-instruct \
     --out "$WORK/stream/head-$((round + 1))" --steps "$steps" --max-minutes "$MINUTES" --seq-len 256 \
     --batch-size 8 --lr "$LR" --warmup 20 --amp auto --threads "$THREADS" --device cpu \
     --save-dtype bfloat16 --work-dir "$WORK/stream/train-$((round + 1))" --checkpoint-minutes 5 --no-progress \
