@@ -110,8 +110,8 @@ def _run(args) -> int:
     snippets = _snippets(args.corpus, args.seed) if args.code_share > 0 else []
     meta_path = out / "record.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {
-        "model": args.model, "dtype": generated_in, "score_dtype": _name(score_dtype, model), "top_k": args.top_k,
-        "batch": args.batch, "code_share": args.code_share, "corpus": args.corpus, "seed": args.seed,
+        "model": args.model, "dtype": generated_in, "top_k": args.top_k,
+        "score_dtype": _name(score_dtype, model) if args.top_k else None, "batch": args.batch, "code_share": args.code_share, "corpus": args.corpus, "seed": args.seed,
         "user_tokens": args.user_tokens, "answer_tokens": args.answer_tokens,
         "temperatures": TEMPERATURES, "torch": torch.__version__, "shards": {}}
     if meta["top_k"] != args.top_k:
@@ -124,7 +124,8 @@ def _run(args) -> int:
     for index, path in kept.items():
         started = time.perf_counter()
         ids = load_ids(path)
-        _write(out, meta, index, ids, model, args, "scored from " + str(path), started, started, shards)
+        how = "scored from " if args.top_k else "loaded from "
+        _write(out, meta, index, ids, model, args, how + str(path), started, started, shards)
     todo = [i for i in missing if i not in kept]
     if not todo:
         return 0
