@@ -67,6 +67,22 @@ def test_features_are_the_authoritys_and_resume_by_shard(trained):
     assert torch.equal(torch.load(feats / "shard-00001.pt", weights_only=False)["features"], cached["features"])
     with pytest.raises(SystemExit, match="remove it or give --features"):  # another model's cache is refused
         cache_features(root / "rec", feats, model, "another/model", log=lambda msg: None)
+    # two processes computing into one folder: a shard the other wrote meanwhile is not computed
+    # again, and features.json keeps both processes' entries
+    kept = {n: (feats / n).read_bytes() for n in ("shard-00001.pt", "shard-00002.pt")}
+    for n in kept:
+        (feats / n).unlink()
+
+    def other_process(msg):
+        if "shard-00001.pt:" in msg:
+            (feats / "shard-00002.pt").write_bytes(kept["shard-00002.pt"])
+            meta = json.loads((feats / "features.json").read_text())
+            meta["shards"]["shard-00002.pt"] = {"tokens": 1, "seconds": -1.0}
+            (feats / "features.json").write_text(json.dumps(meta))
+
+    cache_features(root / "rec", feats, model, str(authority), log=other_process)
+    assert (feats / "shard-00002.pt").read_bytes() == kept["shard-00002.pt"]
+    assert json.loads((feats / "features.json").read_text())["shards"]["shard-00002.pt"]["seconds"] == -1.0
 
 
 def test_the_head_loads_and_training_lowered_the_held_out_loss(trained):

@@ -121,7 +121,10 @@ def cache_features(records: Path, out: Path, authority, ref: str, log=print, chu
     if todo:
         log(f"features: {len(todo)} of {len(shards)} record shards to compute into {out} ({ref}, {dtype}"
             f"{f', layers {layers}' if layers else ''})")
+    redo = {s.name for s in todo if (out / s.name).is_file()}  # kept for other layers
     for path in todo:
+        if path.name not in redo and (out / path.name).is_file():
+            continue  # another process computing into the same folder did this one meanwhile
         started = time.perf_counter()
         shard = torch.load(path, weights_only=False)
         tokens, lengths = shard["tokens"].long(), shard["lengths"].tolist()
@@ -131,6 +134,8 @@ def cache_features(records: Path, out: Path, authority, ref: str, log=print, chu
         torch.save({**kept, "tokens": shard["tokens"], "lengths": shard["lengths"]}, tmp)
         tmp.rename(out / path.name)
         took = time.perf_counter() - started
+        if meta_path.is_file():  # what another process computing into this folder wrote meanwhile
+            meta["shards"] = {**json.loads(meta_path.read_text())["shards"], **meta["shards"]}
         meta["shards"][path.name] = {"tokens": len(tokens), "seconds": round(took, 1),
                                      **({"layers": layers} if layers else {})}
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
