@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
     p.add_argument("--sequences", type=int, default=4096, help="total sequences to have recorded")
     p.add_argument("--first", type=int, default=0,
                    help="the first shard this run records: the ones before it are another recorder's (another "
-                        "core's or machine's, writing the same --keep folder), whose shards a later run scores")
+                        "core's or machine's, writing the same --keep folder), which a later run takes from there")
     p.add_argument("--batch", type=int, default=48,
                    help="sequences per shard, all generated together (continuous batching)")
     p.add_argument("--group", type=int, default=3,
@@ -111,7 +111,8 @@ def _run(args) -> int:
     meta_path = out / "record.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {
         "model": args.model, "dtype": generated_in, "top_k": args.top_k,
-        "score_dtype": _name(score_dtype, model) if args.top_k else None, "batch": args.batch, "code_share": args.code_share, "corpus": args.corpus, "seed": args.seed,
+        "score_dtype": _name(score_dtype, model) if args.top_k else None, "batch": args.batch,
+        "code_share": args.code_share, "corpus": args.corpus, "seed": args.seed,
         "user_tokens": args.user_tokens, "answer_tokens": args.answer_tokens,
         "temperatures": TEMPERATURES, "torch": torch.__version__, "shards": {}}
     if meta["top_k"] != args.top_k:

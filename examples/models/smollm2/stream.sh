@@ -19,11 +19,12 @@
 # Each round records ROUND_SEQUENCES more conversations (BATCH at a time, continuous batching:
 # docs/real-model.md says which BATCH was fastest where; RECORDERS processes side by side, one a
 # core, each its share of the round's shards: `cascade record --first`), as token ids alone
-# (TOP_K=0: the head computes its own targets, so no scoring pass; a drafter needs TOP_K=16), then trains the head from the previous
-# round's head (the committed one first) over all records, PASSES times over them at most and for
-# MINUTES at most, at learning rate LR. Rounds record only until the records hold TRAIN_AT tokens:
-# continuing head/ (trained on ~2M tokens) on the first 28k-134k recorded tokens did not beat it
-# (the model card's "Ablations", control arm), so training on less is CPU spent for nothing.
+# (TOP_K=0: the head computes its own targets, so no scoring pass; a drafter needs TOP_K=16),
+# then trains the head from the previous round's head (the committed one first) over all
+# records, PASSES times over them at most and for MINUTES at most, at learning rate LR. Rounds
+# record only until the records hold TRAIN_AT tokens: continuing head/ (trained on ~2M tokens) on
+# the first 28k-134k recorded tokens did not beat it (the model card's "Ablations", control arm),
+# so training on less is CPU spent for nothing.
 set -euo pipefail
 
 cd "$(dirname "$0")/../../.."
@@ -75,7 +76,8 @@ while true; do
     echo "$(date -u +%FT%TZ) round: resuming head-$((round + 1))'s training"
   else
     share=$(( (ROUND_SEQUENCES / BATCH + RECORDERS - 1) / RECORDERS ))  # shards a recorder
-    echo "$(date -u +%FT%TZ) round: $kept shards kept; recording to shard $(( kept + RECORDERS * share )), $RECORDERS at once"
+    echo "$(date -u +%FT%TZ) round: $kept shards kept; recording to shard $(( kept + RECORDERS * share ))" \
+      "($RECORDERS at once)"
     record() {
       cascade record --model pulled:smollm2-135m-instruct --keep "$HERE/records" --batch "$BATCH" \
         --threads "$THREADS" --top-k "$TOP_K" "$@"
